@@ -1,0 +1,15 @@
+"""Optimized twin of the quantization family (contract §1): TileLang kernels for sm_90a / sm_100.
+
+Same public names, argument order and results (bit for bit) as ``tileproof.reference.quant``.
+"""
+
+from .dequantize import cast_back, per_token_cast_back
+from .per_token import per_token_cast, per_token_cast_with_precomputed_sf, per_token_cast_with_sf_only
+
+__all__ = [
+    "per_token_cast",
+    "per_token_cast_with_sf_only",
+    "per_token_cast_with_precomputed_sf",
+    "per_token_cast_back",
+    "cast_back",
+]

@@ -1,0 +1,77 @@
+"""TileLang building blocks shared by the quantization kernels: scale rules and element encoders.
+
+Each macro is the kernel-side twin of a named step in ``tileproof.reference.quant`` and follows the
+same bit-level rules; the reference's module docstring states them.
+"""
+
+from __future__ import annotations
+
+import tilelang.language as T
+
+from tileproof.reference.contract import FP32_EXPONENT_AND_SIGN_MASK, FP32_MANTISSA_MASK, UE8M0_NAN, QuantFormat
+
+FP32_NAN_BITS_ABOVE = 0x7F800000  # an fp32 with abs bits above this is a NaN
+
+
+def float_bits_abs(value):
+    """|value| as int32 bits. Comparing these as integers orders non-negative floats exactly and
+    ranks every NaN above +Inf, so an integer max propagates NaN (fmaxf would drop it)."""
+    return T.reinterpret(value, "int32") & 0x7FFFFFFF
+
+
+@T.macro
+def scale_and_multiplier(amax_bits, fmt: QuantFormat, round_sf, sf, multiplier):
+    """Block amax (abs bits) → ``sf`` and ``multiplier`` (two local fp32 vars), contract §1."""
+    floor_bits = T.reinterpret(T.float32(fmt.amax_floor), "int32")
+    amax = T.reinterpret(T.max(amax_bits, floor_bits), "float32")
+    sf[0] = T.ieee_fdiv(amax, T.float32(fmt.qmax))
+    multiplier[0] = T.ieee_fdiv(T.float32(fmt.qmax), amax)
+    if round_sf:
+        bits = T.reinterpret(sf[0], "uint32")
+        if (bits & 0x7FFFFFFF) <= FP32_NAN_BITS_ABOVE:
+            rounded = (bits + T.uint32(FP32_MANTISSA_MASK)) & T.uint32(FP32_EXPONENT_AND_SIGN_MASK)
+            sf[0] = T.reinterpret(rounded, "float32")
+        multiplier[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
+
+
+def ue8m0_byte(sf):
+    """The biased exponent of a power-of-two fp32 scale (0xFF for Inf and NaN)."""
+    return T.cast((T.reinterpret(sf, "uint32") >> 23) & 0xFF, "uint8")
+
+
+def scale_from_ue8m0(byte):
+    """Biased exponent byte → fp32 power of two; 0xFF is NaN (OCP E8M0), as in the reference."""
+    bits = T.shift_left(T.cast(byte, "uint32"), T.uint32(23))
+    return T.reinterpret(T.if_then_else(byte == T.uint8(UE8M0_NAN), T.uint32(0x7FC00000), bits), "float32")
+
+
+def e2m1_code(y):
+    """fp32 → 4-bit e2m1 code as uint32: round to nearest even, saturating at 6, sign kept.
+
+    With ``a = |y|``, the code of each binade is a plain integer rounding: ``RNE(2a)`` on [0, 2),
+    ``RNE(a) + 2`` on [2, 4), ``RNE(a/2) + 4`` on [4, 8). Each candidate ``c_k = RNE(a·2^(1-k)) + 2k``
+    is one FMA against the magic ``2^23 + 2k`` (the product by a power of two is exact, and at 2^23
+    the fp32 spacing is 1, so the add rounds to the nearest integer, ties to even). The candidates
+    are ordered so that the right binade's one is the smallest, hence ``code = min(c0, c1, c2, 7)``;
+    fminf drops NaN, so NaN and ±Inf land on 7 (6.0) as the contract wants. About 8 instructions
+    instead of a 7-threshold compare chain; exhaustively checked against ``reference.quant``.
+    """
+    a = T.abs(y)
+    magic = 8388608.0  # 2^23
+    candidate_0 = a * T.float32(2.0) + T.float32(magic)
+    candidate_1 = a + T.float32(magic + 2.0)
+    candidate_2 = a * T.float32(0.5) + T.float32(magic + 4.0)
+    smallest = T.min(T.min(candidate_0, candidate_1), T.min(candidate_2, T.float32(magic + 7.0)))
+    code = T.reinterpret(smallest, "uint32") & 0xF
+    sign = (T.reinterpret(y, "uint32") >> 31) << 3
+    return code | sign
+
+
+def e2m1_value(code):
+    """4-bit e2m1 code (uint32) → fp32 value, exact: ``(1 + m/2) · 2^(e-1)``, or ``m/2`` when e = 0."""
+    exponent = (code >> 1) & 3
+    mantissa = code & 1
+    normal = T.reinterpret(((exponent + 126) << 23) | (mantissa << 22), "float32")
+    subnormal = T.cast(mantissa, "float32") * T.float32(0.5)
+    magnitude = T.if_then_else(exponent == 0, subnormal, normal)
+    return T.reinterpret(T.reinterpret(magnitude, "uint32") | ((code & 8) << 28), "float32")
