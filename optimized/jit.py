@@ -31,12 +31,11 @@ import tilelang  # noqa: E402
 import torch  # noqa: E402
 
 # Our kernels are hand-scheduled loads and stores that mask their own tails (per 16-byte vector):
-# TileLang's per-element bound checks would split every vector access into scalar ones. TMA and
-# warp specialization are not used by these memory-bound kernels.
+# TileLang's per-element bound checks would split every vector access into scalar ones. Warp
+# specialization is not used by these memory-bound kernels.
 PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-    tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
 }
 
 

@@ -16,7 +16,9 @@ Conventions (shared by every cast):
   scale stays NaN — and the multiplier is the exact ``1 / sf``.
 - ``y = x · multiplier`` in fp32, then encoded: e4m3 clamps to ±448 and rounds to nearest even (NaN
   stays NaN, encoded 0x7F); e2m1 rounds ``|y|`` to nearest even on {0, .5, 1, 1.5, 2, 3, 4, 6},
-  saturating at 6 (NaN and +Inf become 6), keeping the sign bit (so −0.1 encodes as 0b1000).
+  saturating at 6 (NaN and +Inf become 6), keeping the sign bit (so −0.1 encodes as 0b1000); every
+  NaN encodes as +6 (0b0111), whatever its sign bit, so results do not depend on the device.
+- Packed UE8M0 scales decode 0xFF as NaN (OCP E8M0); a NaN or Inf scale encodes to 0xFF.
 - e2m1 data is packed two per byte into int8: element ``2j`` in the low nibble, ``2j+1`` in the high.
 """
 
@@ -84,7 +86,9 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
         code += (~(magnitude < threshold)).to(torch.uint8)
     for threshold in ties_to_lower:
         code += (~(magnitude <= threshold)).to(torch.uint8)
-    sign = torch.signbit(y).to(torch.uint8)
+    # NaN has no meaningful sign (x86 keeps an input NaN's sign through a multiply, GPUs return
+    # the canonical +NaN): like e4m3's 0x7F, every NaN encodes as +6 (0b0111).
+    sign = (torch.signbit(y) & ~torch.isnan(y)).to(torch.uint8)
     return code | (sign << 3)
 
 

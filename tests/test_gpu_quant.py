@@ -34,7 +34,7 @@ def _assert_same_bits(actual, expected, what):
     assert actual.shape == expected.shape, what
     if actual.numel():
         assert actual.stride() == expected.stride(), what
-        mismatch = (actual.contiguous().view(torch.uint8) != expected.contiguous().view(torch.uint8)).nonzero()
+        mismatch = (actual.reshape(-1).view(torch.uint8) != expected.reshape(-1).view(torch.uint8)).nonzero()
         assert mismatch.numel() == 0, f"{what}: {mismatch.shape[0]} bytes differ, first at {mismatch[0].tolist()}"
 
 

@@ -42,17 +42,19 @@ DECODE_TOKENS = 256  # at or below this many rows the grid is small: one segment
 
 
 def schedule(fmt_name: str, num_per_channels: int, vector: int, tokens: int) -> dict:
-    """Threads, items and lane chunk for a call, from a sweep on the H200 (docs/results/).
+    """Threads, items, lane chunk and scale sharing for a call, from sweeps on the H200.
 
-    e4m3 is bound by memory and per-block overhead: 64 threads × 4 items. e2m1 spends ~8 more
-    instructions per element on its encoding, so each lane takes a 16-element chunk (two 16-byte
-    loads), halving the per-block shuffles and divisions. Few rows (decode) want more, smaller CTAs.
+    e4m3 (8192×7168, 1×128): 64 threads × 4 items with shared scales (one division pair per
+    thread instead of one per item: 53.5 → 48 µs). e2m1 spends ~8 more instructions per element
+    on its encoding, so each lane takes a 16-element chunk (two 16-byte loads), halving the
+    per-block shuffles (1×32: 50.2 µs). Few rows (decode) want small CTAs and no scale broadcast.
+    Tiling a 7168 row exactly (7 items) measured no better.
     """
     if tokens <= DECODE_TOKENS:
-        return {"threads": 64, "items": 1, "chunk": 0}
+        return {"threads": 64, "items": 1, "chunk": 0, "shared_scales": False}
     if fmt_name == "e2m1" and num_per_channels >= 16 and 16 % vector == 0:
-        return {"threads": 64, "items": 2, "chunk": 16}
-    return {"threads": 64, "items": 4, "chunk": 0}
+        return {"threads": 64, "items": 4 if num_per_channels == 16 else 2, "chunk": 16, "shared_scales": True}
+    return {"threads": 64, "items": 4, "chunk": 0, "shared_scales": True}
 
 
 MODE_CAST, MODE_SF_ONLY, MODE_PRECOMPUTED_SF = 0, 1, 2
@@ -75,6 +77,7 @@ def per_token_cast_kernel(
     threads: int = THREADS,
     items: int = ITEMS,
     chunk: int = 0,
+    shared_scales: bool = True,
 ):
     """Factory over the static parameters; token count, hidden size and strides are runtime values.
 
@@ -91,6 +94,15 @@ def per_token_cast_kernel(
     shuffle_steps = lanes_per_group.bit_length() - 1
     stored_per_vector = vector // fmt.values_per_byte
     segment_vectors = 32 * vectors_per_chunk
+    groups_per_segment = 32 // lanes_per_group
+    # bf16 rows travel as 32-bit words (two values each) until they are encoded: half the
+    # registers, and the block maximum costs one packed 16-bit max per two elements.
+    bf16_words = in_dtype == "bfloat16" and vector % 2 == 0
+    loaded_per_vector = vector // 2 if bf16_words else vector
+    value_dtype = "int32" if bf16_words else "float32"
+    x_dtype = "int32" if bf16_words else in_dtype
+    scale_owners = items * groups_per_segment
+    shared_scales = shared_scales and lanes_per_group > 1 and scale_owners <= 32
     # e2m1 bytes are written through a uint8 view of the int8 data (plain byte moves vectorize).
     q_dtype = "float8_e4m3" if fmt is E4M3 else "uint8"
     sf_dtype = "uint8" if packed_ue8m0 else "float32"
@@ -101,16 +113,75 @@ def per_token_cast_kernel(
 
     @T.macro
     def load_unit(x, values, row, part, hidden_vectors, row_stride_vectors, warp, lane):
-        x_row = T.cast(row, "int64") * row_stride_vectors * vector
+        x_row = T.cast(row, "int64") * row_stride_vectors * loaded_per_vector
         for item in T.unroll(items):
             first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
             for v in T.unroll(vectors_per_chunk):
                 if first_vector + v < hidden_vectors:
-                    for e in T.vectorized(vector):
-                        values[item, v * vector + e] = T.cast(x[x_row + (first_vector + v) * vector + e], "float32")
+                    for e in T.vectorized(loaded_per_vector):
+                        if bf16_words:
+                            values[item, v * loaded_per_vector + e] = x[
+                                x_row + (first_vector + v) * loaded_per_vector + e
+                            ]
+                        else:
+                            values[item, v * vector + e] = T.cast(x[x_row + (first_vector + v) * vector + e], "float32")
                 else:
-                    for e in T.vectorized(vector):
-                        values[item, v * vector + e] = T.float32(0)
+                    for e in T.vectorized(loaded_per_vector):
+                        values[item, v * loaded_per_vector + e] = T.cast(0, value_dtype)
+
+    @T.macro
+    def chunk_amax_bits(values, item, group_amax):
+        """|x| max of this lane's chunk as fp32 bits (NaN ranks above Inf, so it propagates)."""
+        if bf16_words:
+            # Two bf16 per word: mask both signs, then one max.u16x2 per two elements.
+            pair_max = T.alloc_local((1,), "uint32")
+            pair_max[0] = T.uint32(0)
+            for j in T.unroll(chunk // 2):
+                masked = T.reinterpret(values[item, j], "uint32") & T.uint32(0x7FFF7FFF)
+                pair_max[0] = T.call_extern("uint32", "__vmaxu2", pair_max[0], masked)
+            widest = T.max(pair_max[0] & T.uint32(0xFFFF), pair_max[0] >> 16)
+            group_amax[item] = T.reinterpret(widest << 16, "int32")
+        else:
+            group_amax[item] = 0
+            for j in T.unroll(chunk):
+                group_amax[item] = T.max(group_amax[item], float_bits_abs(values[item, j]))
+
+    @T.macro
+    def scale_block(
+        sf,
+        amax_bits,
+        sf_value,
+        multiplier,
+        row,
+        kblock,
+        is_owner,
+        num_kblocks,
+        sf_row_stride,
+        sf_kblock_stride,
+        mode,
+        round_sf,
+    ):
+        """Scale and multiplier of one block: computed and stored by its owner, or read."""
+        if mode == MODE_PRECOMPUTED_SF:
+            sf_value[0] = T.float32(1)
+            if kblock < num_kblocks:
+                if packed_ue8m0:
+                    sf_value[0] = scale_from_ue8m0(sf[packed_scale_index(row, kblock, sf_row_stride)])
+                else:
+                    sf_value[0] = sf[row * sf_row_stride + kblock * sf_kblock_stride]
+            multiplier[0] = T.ieee_fdiv(T.float32(1.0), sf_value[0])
+        else:
+            scale_and_multiplier(amax_bits, fmt, round_sf != 0, sf_value, multiplier)
+            if is_owner and kblock < num_kblocks:
+                if packed_ue8m0:
+                    sf[packed_scale_index(row, kblock, sf_row_stride)] = ue8m0_byte(sf_value[0])
+                    if kblock == num_kblocks - 1:
+                        # The contract wants the unused bytes of the last word zeroed.
+                        for spare in T.unroll(1, 4):
+                            if kblock % 4 + spare < 4:
+                                sf[packed_scale_index(row, kblock, sf_row_stride) + spare] = T.uint8(0)
+                else:
+                    sf[row * sf_row_stride + kblock * sf_kblock_stride] = sf_value[0]
 
     @T.macro
     def encode_unit(
@@ -118,6 +189,9 @@ def per_token_cast_kernel(
         sf,
         values,
         group_amax,
+        owned_amax,
+        item_multiplier,
+        widened,
         sf_value,
         multiplier,
         codes,
@@ -133,50 +207,83 @@ def per_token_cast_kernel(
         lane,
     ):
         q_row = T.cast(row, "int64") * hidden_vectors * stored_per_vector
-        for item in T.unroll(items):
-            first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
-            kblock = first_vector * vector // num_per_channels
-            writes_scale = (lane % lanes_per_group) == 0 and kblock < num_kblocks
 
-            # Block absolute maximum: this lane's chunk, then across the block's lanes.
-            group_amax[item] = 0
-            for j in T.unroll(chunk):
-                group_amax[item] = T.max(group_amax[item], float_bits_abs(values[item, j]))
+        # 1. Block absolute maxima: this lane's chunk, then across the block's lanes.
+        for item in T.unroll(items):
+            chunk_amax_bits(values, item, group_amax)
             for step in T.unroll(shuffle_steps):
                 group_amax[item] = T.max(group_amax[item], T.shfl_xor(group_amax[item], 1 << step))
 
-            # Scale and multiplier: computed (and stored), or read.
-            if mode == MODE_PRECOMPUTED_SF:
-                sf_value[0] = T.float32(1)
-                if kblock < num_kblocks:
-                    if packed_ue8m0:
-                        sf_value[0] = scale_from_ue8m0(sf[packed_scale_index(row, kblock, sf_row_stride)])
-                    else:
-                        sf_value[0] = sf[row * sf_row_stride + kblock * sf_kblock_stride]
-                multiplier[0] = T.ieee_fdiv(T.float32(1.0), sf_value[0])
-            else:
-                scale_and_multiplier(group_amax[item], fmt, round_sf != 0, sf_value, multiplier)
-                if writes_scale:
-                    if packed_ue8m0:
-                        sf[packed_scale_index(row, kblock, sf_row_stride)] = ue8m0_byte(sf_value[0])
-                        if kblock == num_kblocks - 1:
-                            # The contract wants the unused bytes of the last word zeroed.
-                            for spare in T.unroll(1, 4):
-                                if kblock % 4 + spare < 4:
-                                    sf[packed_scale_index(row, kblock, sf_row_stride) + spare] = T.uint8(0)
-                    else:
-                        sf[row * sf_row_stride + kblock * sf_kblock_stride] = sf_value[0]
+        # 2. Scales. With ``shared_scales`` lane L owns block (item L // groups, group L % groups)
+        #    of the warp: it alone divides, stores the scale, and the multipliers travel back by
+        #    shuffle. Otherwise every lane divides for its own block (fine when a block is 1 lane).
+        if shared_scales:
+            owner_item = lane // groups_per_segment
+            owner_group = lane % groups_per_segment
+            owned_amax[0] = 0
+            for item in T.unroll(items):
+                fetched = T.shfl_sync(group_amax[item], owner_group * lanes_per_group)
+                owned_amax[0] = T.if_then_else(owner_item == item, fetched, owned_amax[0])
+            owner_first_vector = ((part * items + owner_item) * warps + warp) * segment_vectors + (
+                owner_group * lanes_per_group * vectors_per_chunk
+            )
+            scale_block(
+                sf,
+                owned_amax[0],
+                sf_value,
+                multiplier,
+                row,
+                owner_first_vector * vector // num_per_channels,
+                lane < scale_owners,
+                num_kblocks,
+                sf_row_stride,
+                sf_kblock_stride,
+                mode,
+                round_sf,
+            )
+            for item in T.unroll(items):
+                item_multiplier[item] = T.shfl_sync(multiplier[0], item * groups_per_segment + lane // lanes_per_group)
+        else:
+            for item in T.unroll(items):
+                first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
+                scale_block(
+                    sf,
+                    group_amax[item],
+                    sf_value,
+                    multiplier,
+                    row,
+                    first_vector * vector // num_per_channels,
+                    (lane % lanes_per_group) == 0,
+                    num_kblocks,
+                    sf_row_stride,
+                    sf_kblock_stride,
+                    mode,
+                    round_sf,
+                )
+                item_multiplier[item] = multiplier[0]
 
-            # Encode and store the data, one wide store per vector.
-            if mode != MODE_SF_ONLY:
+        # 3. Encode and store the data, one wide store per vector.
+        if mode != MODE_SF_ONLY:
+            for item in T.unroll(items):
+                first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
                 for v in T.unroll(vectors_per_chunk):
                     if first_vector + v < hidden_vectors:
                         q_offset = q_row + (first_vector + v) * stored_per_vector
-                        store_encoded_vector(q, q_offset, values, item, v * vector, multiplier[0], fmt, vector, codes)
+                        if bf16_words:
+                            # bf16 → fp32 is exact: the word's halves shifted into the high bits.
+                            for e in T.unroll(vector // 2):
+                                word = T.reinterpret(values[item, v * loaded_per_vector + e], "uint32")
+                                widened[0, 2 * e] = T.reinterpret(word << 16, "float32")
+                                widened[0, 2 * e + 1] = T.reinterpret(word & T.uint32(0xFFFF0000), "float32")
+                            store_encoded_vector(q, q_offset, widened, 0, 0, item_multiplier[item], fmt, vector, codes)
+                        else:
+                            store_encoded_vector(
+                                q, q_offset, values, item, v * vector, item_multiplier[item], fmt, vector, codes
+                            )
 
     @T.prim_func
     def kernel(
-        x: T.Tensor((x_span,), in_dtype),
+        x: T.Tensor((x_span,), x_dtype),
         q: T.Tensor((q_span,), q_dtype),
         sf: T.Tensor((sf_span,), sf_dtype),
         num_tokens: T.int32,
@@ -195,8 +302,11 @@ def per_token_cast_kernel(
             tx = T.get_thread_binding()
             lane = tx % 32
             warp = tx // 32
-            values = T.alloc_local((items, chunk), "float32")
+            values = T.alloc_local((items, chunk // 2 if bf16_words else chunk), value_dtype)
+            widened = T.alloc_local((1, vector), "float32")
             group_amax = T.alloc_local((items,), "int32")
+            owned_amax = T.alloc_local((1,), "int32")
+            item_multiplier = T.alloc_local((items,), "float32")
             sf_value = T.alloc_local((1,), "float32")
             multiplier = T.alloc_local((1,), "float32")
             codes = T.alloc_local((stored_per_vector,), "uint8")
@@ -206,6 +316,9 @@ def per_token_cast_kernel(
                 sf,
                 values,
                 group_amax,
+                owned_amax,
+                item_multiplier,
+                widened,
                 sf_value,
                 multiplier,
                 codes,
@@ -376,21 +489,23 @@ def _launch(x, spec, num_per_channels, sf, q, mode: int, round_sf: bool, packed:
     q_argument = flat_view(q).view(torch.uint8) if spec is E2M1 else flat_view(q)
     if row_wide:
         kernel(flat_view(x), q_argument, sf_argument, tokens, row_stride_vectors, row_stride, mode, int(round_sf))
-    else:
-        kblocks = ceil_div(hidden, num_per_channels)
-        kernel(
-            flat_view(x),
-            q_argument,
-            sf_argument,
-            tokens,
-            hidden // vector,
-            row_stride_vectors,
-            kblocks,
-            row_stride,
-            kblock_stride,
-            mode,
-            int(round_sf),
-        )
+        return
+    # bf16 rows are read as 32-bit words (see ``bf16_words`` in the kernel factory).
+    x_argument = flat_view(x).view(torch.int32) if x.dtype == torch.bfloat16 and vector % 2 == 0 else flat_view(x)
+    kblocks = ceil_div(hidden, num_per_channels)
+    kernel(
+        x_argument,
+        q_argument,
+        sf_argument,
+        tokens,
+        hidden // vector,
+        row_stride_vectors,
+        kblocks,
+        row_stride,
+        kblock_stride,
+        mode,
+        int(round_sf),
+    )
 
 
 def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""The ``tileproof`` command: ``tileproof oracle [options]`` runs the oracle.
+
+Environment variables:
+
+- ``TILEPROOF_COPY_ROOF_GBPS``: the bandwidth roof of "% of roof", in GB/s (default 4217, the
+  device-to-device copy bandwidth measured on the H200, bytes read plus bytes written).
+- ``TILEPROOF_CACHE_DIR`` and ``TILEPROOF_TARGET`` are read by ``tileproof.optimized.jit`` (TileLang's
+  kernel cache; the compile target, sm_90a when there is no GPU).
+
+Exit status: 0 when every selected case passes; 1 when any comparison disagrees or any check
+(reference, compile, optimized run) raises; 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+
+from . import runner
+from .registry import TIERS, Case, all_ops, select_cases
+from .timing import copy_roof_gbps
+
+DESCRIPTION = """\
+Run every selected case of every selected operator through the reference twin and the optimized
+twin. With a CUDA GPU: compare every output under the stated policy (bitwise for quantized data,
+scales and dequantized values), check determinism, and time the benchmark workloads. Without one:
+run the reference with its self-checks and compile every optimized kernel for sm_90a; GPU
+comparisons and timings are reported as skipped."""
+
+EPILOG = """\
+examples:
+  tileproof oracle --list
+  tileproof oracle --op per_token_cast --no-timing
+  tileproof oracle --profile full --json out/oracle.json --markdown docs/results/quant-h200.md --plot out/quant.png
+  tileproof oracle --case 'per_token_cast/e2m1/*' --seed 7"""
+
+
+class UsageError(Exception):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer seed, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer seed, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tileproof`` parser (``parse_args(["oracle", ...])``)."""
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    parser = argparse.ArgumentParser(prog="tileproof", description="GPU kernels, each proven against a readable twin.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    oracle = commands.add_parser(
+        "oracle",
+        help="compare the optimized kernels with the reference twins, and time them",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    select = oracle.add_argument_group("selection")
+    select.add_argument(
+        "--op", action="append", metavar="NAME", help="operator to run (repeat, or comma-separate; default: all)"
+    )
+    select.add_argument("--profile", choices=TIERS, default="quick", help="case tier (default: quick)")
+    select.add_argument(
+        "--case", action="append", metavar="LABEL", help="case label, exact or a shell glob (repeatable; see --list)"
+    )
+    select.add_argument("--max-cases", type=_positive_int, metavar="N", help="run at most N of the selected cases")
+    select.add_argument("--seed", type=_seed, default=0, help="global seed; each case derives its own (default: 0)")
+    select.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    run = oracle.add_argument_group("running")
+    run.add_argument("--no-timing", action="store_true", help="skip timings (GPU only anyway)")
+    run.add_argument("--no-torch-compile", action="store_true", help="time without the torch.compile baseline")
+    run.add_argument(
+        "--jobs", type=_positive_int, metavar="N", help="kernel-compile threads (default: CPU count, at most 16)"
+    )
+    out = oracle.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report")
+    out.add_argument("--markdown", type=Path, metavar="PATH", help="write the human-readable report")
+    out.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
+    out.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures and timings")
+    return parser, oracle
+
+
+def selected_ops(requested: Sequence[str] | None) -> list[str] | None:
+    """``--op`` values (repeated or comma-separated), checked against the registry."""
+    if not requested:
+        return None
+    names = [name.strip() for value in requested for name in value.split(",") if name.strip()]
+    known = all_ops()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise UsageError(f"unknown operator {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def select(args: argparse.Namespace) -> list[Case]:
+    """The cases an ``oracle`` command line selects (a UsageError when none does)."""
+    cases = select_cases(args.profile, selected_ops(args.op), args.case, args.max_cases)
+    if not cases:
+        raise UsageError(f"no case of the {args.profile} profile matches {args.case}; see --list")
+    return cases
+
+
+class _Progress(runner.Progress):
+    def __init__(self, bar: RichProgress):
+        self.bar = bar
+        self.task = None
+
+    def stage(self, name: str, total: int) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(name, total=total, detail="")
+
+    def advance(self, detail: str = "") -> None:
+        self.bar.update(self.task, advance=1, detail=detail)
+
+
+def _console() -> Console:
+    console = Console()
+    # Not a terminal (CI logs, files): use a wide table rather than rich's 80-column default.
+    return console if console.is_terminal else Console(width=200)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, oracle_parser = _build_parsers()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse exits on errors (2) and on --help (0)
+        return stop.code if isinstance(stop.code, int) else 2
+    try:
+        cases = select(args)
+        copy_roof_gbps()  # a malformed TILEPROOF_COPY_ROOF_GBPS is a usage error, found before the run
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
+    except (UsageError, ValueError) as error:
+        oracle_parser.print_usage(sys.stderr)
+        print(f"tileproof oracle: error: {error}", file=sys.stderr)
+        return 2
+
+    if args.list:
+        try:
+            for case in cases:
+                print(case.label + (f"    [benchmark: {case.title}]" if case.benchmark else ""))
+        except BrokenPipeError:  # `tileproof oracle --list | head`
+            sys.stderr.close()
+        return 0
+
+    console = _console()
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[detail]}", style="dim"),
+    )
+    with RichProgress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+        report = runner.run(
+            args.profile,
+            ops=selected_ops(args.op),
+            patterns=args.case,
+            max_cases=args.max_cases,
+            seed=args.seed,
+            timing=not args.no_timing,
+            torch_compile=not args.no_torch_compile,
+            workers=args.jobs,
+            progress=_Progress(bar),
+        )
+
+    from . import report as reporting  # rich tables, JSON, Markdown; matplotlib only in write_plot
+
+    reporting.print_report(report, console, verbose=args.verbose)
+    for path, write in ((args.json, reporting.write_json), (args.markdown, reporting.write_markdown)):
+        if path:
+            write(report, path)
+            console.print(f"wrote {path}", highlight=False)
+    if args.plot:
+        reporting.write_plot(report, args.plot)
+        console.print(f"wrote {args.plot}", highlight=False)
+    return report.exit_status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The oracle's one comparison policy: how an optimized output must agree with the reference.
+
+Each output of each operator names one of two policies (contract, "Agreement rules for the
+oracle"); the policy, the measured metric and the bound travel with every result:
+
+- ``Bitwise``: integer outputs, quantized data and scale bytes, and float outputs whose math is a
+  single correctly rounded operation (so there is exactly one right answer). Same dtype, same
+  shape, same strides and the same raw bytes. Strides are compared only for dimensions longer than
+  one, and not at all for empty tensors: the stride of a dimension of extent 0 or 1 addresses no
+  second element, so it carries no layout information (``torch.empty((0, 4))`` and a column-major
+  scale view of zero rows may legitimately differ there). With ``nan_equal``, a NaN in a floating
+  output matches any NaN: NaN payload and sign bits are not part of the contract (CPU and GPU
+  produce different NaN bits for the same IEEE operation).
+- ``RelativeError``: other float outputs, against the reference run in float64 where the operator
+  provides one: ``max |out - ref| / max(|ref|, atol) <= bound`` over the elements where the
+  reference is finite; a NaN or infinity where the reference is finite fails, and wherever the
+  reference is NaN or ±Inf the output must be the same non-finite value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+PASS, FAIL, ERROR, SKIP = "pass", "fail", "error", "skip"
+
+# Raw bytes are compared through an integer view of the same width (exact, and NaN-safe).
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Check:
+    """One named check of one case: a comparison, a reference self-check, a compile, a skip."""
+
+    name: str
+    status: str  # PASS | FAIL | ERROR | SKIP
+    policy: str = ""  # the rule applied, short ("bitwise", "rel ≤ 2^-4")
+    metric: str = ""  # what was measured, short ("0/4096 differ", "0.031")
+    detail: str = ""  # on failure: where and what (first mismatch), or the error message
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (PASS, SKIP)
+
+
+@dataclass(frozen=True)
+class Bitwise:
+    nan_equal: bool = False
+
+    kind = "bitwise"
+
+    def describe(self) -> str:
+        text = "bitwise: same dtype, shape, strides (of dimensions longer than 1) and raw bytes"
+        return text + ("; in floating outputs any NaN matches any NaN" if self.nan_equal else "")
+
+    def short(self) -> str:
+        return "bitwise" + (" (NaN≡NaN)" if self.nan_equal else "")
+
+
+@dataclass(frozen=True)
+class RelativeError:
+    bound: float
+    atol: float = 0.0  # denominators below this are raised to it (relative error near zero)
+
+    kind = "relative"
+
+    def describe(self) -> str:
+        return (
+            f"relative error vs the float64 reference: max |out - ref| / max(|ref|, {self.atol:g}) <= "
+            f"{self.bound:g} where ref is finite; same dtype and shape; NaN/±Inf exactly where ref has them"
+        )
+
+    def short(self) -> str:
+        return f"rel ≤ {self.bound:g}"
+
+
+Policy = Bitwise | RelativeError
+
+
+def compare(name: str, actual, expected: torch.Tensor, policy: Policy, *, expected64=None) -> Check:
+    """Compare ``actual`` with the reference's ``expected`` under ``policy``.
+
+    ``expected64`` is the reference computed in float64 (``RelativeError`` only); without it the
+    native reference result is upcast.
+    """
+    problem = structure_mismatch(actual, expected, check_strides=isinstance(policy, Bitwise))
+    if problem:
+        return Check(name, FAIL, policy.short(), "structure", problem)
+    if isinstance(policy, Bitwise):
+        return _compare_bits(name, actual, expected, policy)
+    return _compare_relative(name, actual, expected if expected64 is None else expected64, policy)
+
+
+def meaningful_strides(tensor: torch.Tensor) -> tuple[int | None, ...]:
+    """Strides of the dimensions longer than one (None elsewhere); () for an empty tensor."""
+    if tensor.numel() == 0:
+        return ()
+    return tuple(stride if size > 1 else None for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+
+
+def structure_mismatch(actual, expected: torch.Tensor, *, check_strides: bool = True) -> str:
+    """'' when dtype, shape (and strides) agree; otherwise what differs, in words."""
+    if not isinstance(actual, torch.Tensor):
+        return f"expected a tensor, got {type(actual).__name__}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {_dtype_name(actual.dtype)} != reference {_dtype_name(expected.dtype)}"
+    if tuple(actual.shape) != tuple(expected.shape):
+        return f"shape {tuple(actual.shape)} != reference {tuple(expected.shape)}"
+    if check_strides and meaningful_strides(actual) != meaningful_strides(expected):
+        return f"strides {tuple(actual.stride())} != reference {tuple(expected.stride())}"
+    return ""
+
+
+def _compare_bits(name: str, actual: torch.Tensor, expected: torch.Tensor, policy: Bitwise) -> Check:
+    total = expected.numel()
+    if total == 0:
+        return Check(name, PASS, policy.short(), "0/0 differ")
+    if actual.device != expected.device:
+        actual = actual.to(expected.device)
+    differs = bits_of(actual) != bits_of(expected)
+    if policy.nan_equal and expected.dtype.is_floating_point:
+        differs &= ~(torch.isnan(actual.float()) & torch.isnan(expected.float()))
+    count = int(differs.sum().item())
+    metric = f"{count}/{total} differ"
+    if count == 0:
+        return Check(name, PASS, policy.short(), metric)
+    first = _unravel(int(differs.reshape(-1).nonzero()[0].item()), tuple(expected.shape))
+    detail = f"first mismatch at {list(first)}: expected {_show(expected, first)}, got {_show(actual, first)}"
+    return Check(name, FAIL, policy.short(), metric, detail)
+
+
+def _compare_relative(name: str, actual: torch.Tensor, expected: torch.Tensor, policy: RelativeError) -> Check:
+    if expected.numel() == 0:
+        return Check(name, PASS, policy.short(), "empty")
+    a = actual.to(device=expected.device, dtype=torch.float64)
+    e = expected.to(torch.float64)
+    finite = torch.isfinite(e)
+    # Where the reference is not finite the output must be the same non-finite value.
+    same_nonfinite = (torch.isnan(e) & torch.isnan(a)) | (a == e)
+    bad = (~finite & ~same_nonfinite) | (finite & ~torch.isfinite(a))
+    denominator = torch.clamp(e.abs(), min=policy.atol) if policy.atol > 0 else e.abs()
+    error = (a - e).abs()
+    # 0/0 (both exactly zero) is no error; x/0 with x > 0 is an infinite relative error.
+    relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
+    relative = torch.where(finite & torch.isfinite(a), relative, torch.zeros_like(relative))
+    worst = float(relative.max().item())
+    bad_count = int(bad.sum().item())
+    metric = f"{worst:.3g}"
+    if bad_count:
+        first = _unravel(int(bad.reshape(-1).nonzero()[0].item()), tuple(e.shape))
+        detail = (
+            f"{bad_count} non-finite mismatches; first at {list(first)}: reference {e[first].item()!r}, "
+            f"got {a[first].item()!r}"
+        )
+        return Check(name, FAIL, policy.short(), metric, detail)
+    if not worst <= policy.bound:
+        first = _unravel(int(relative.reshape(-1).argmax().item()), tuple(e.shape))
+        detail = (
+            f"relative error {worst:.3g} > {policy.bound:g}; worst at {list(first)}: reference "
+            f"{e[first].item()!r}, got {a[first].item()!r}"
+        )
+        return Check(name, FAIL, policy.short(), metric, detail)
+    return Check(name, PASS, policy.short(), metric)
+
+
+def bits_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The logical elements as integers of the same width, contiguous (padding excluded)."""
+    if tensor.dtype == torch.bool:
+        return tensor.to(torch.uint8)
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).contiguous()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a and b have the same dtype, shape and logical raw bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(bits_of(a), bits_of(b.to(a.device))))
+
+
+def _unravel(flat_index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat_index % size)
+        flat_index //= size
+    return tuple(reversed(index))
+
+
+def _show(tensor: torch.Tensor, index: tuple[int, ...]) -> str:
+    """One element as value and hex bits, e.g. ``1.5 (0x3c)``."""
+    width = 2 * tensor.element_size()
+    bits = int(bits_of(tensor[index].reshape(1)).item()) & ((1 << (4 * width)) - 1)
+    if tensor.dtype.is_floating_point:
+        value = float(tensor[index].float().item())
+        shown = repr(value) if math.isfinite(value) else str(value)
+        return f"{shown} (0x{bits:0{width}x})"
+    return f"{int(tensor[index].item())} (0x{bits:0{width}x})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

@@ -1,0 +1,420 @@
+"""The quantization family (contract §1) for the oracle: cases, inputs, policies, bytes, self-checks.
+
+Four operators: ``per_token_cast``, ``per_token_cast_with_sf_only``,
+``per_token_cast_with_precomputed_sf`` and ``per_token_cast_back``.
+
+Cases of each tier (both tiers reach the same kernel configurations; ``full`` has more tokens):
+
+- *primary*: every (format, C, dtype, flags) combination, i.e. 2 × 4 × 2 × 5 = 80 per operator,
+  twice (few tokens, many tokens), on shapes taken in turn from lists whose hidden sizes and row
+  strides are multiples of 16 (so every combination also meets the optimized kernels' widest
+  vectors); T ∈ {1, odd}, strided rows;
+- *whole row* (C == H) for a few hidden sizes;
+- *edges*: zero tokens; hidden sizes and row strides that force narrower vectors (1000, 200, 1002
+  with row stride 1010, and the odd 999 for e4m3); NaN and ±Inf in the input;
+- *benchmarks*: the acceptance list's named workloads (``full``; the decode one in both tiers),
+  plus a few large cases that the ``full`` profile times because of their size.
+
+Inputs are random normal rows of different magnitudes (2^-8 .. 2^8), a row of tiny values (so
+that e4m3's amax floor is active), a few 64× outliers, generated on the CPU from the case's seed and
+then moved. A strided input is a view ``wide[:, :H]`` of a wider buffer whose padding holds NaN
+(quantized data: 0x7F bytes), so that a kernel reading past a row's end shows in its results.
+
+``dtype`` is the input dtype of the casts and the output dtype of ``per_token_cast_back`` (whose
+``(q, sf)`` input the reference ``per_token_cast`` makes from an input of that same dtype).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from itertools import product
+
+import torch
+
+from tileproof.reference import quant as reference
+from tileproof.reference.contract import CAST_FORMATS, ScaleLayout, align, ceil_div
+
+from .policy import FAIL, PASS, Bitwise, Check, compare, structure_mismatch
+from .registry import Call, Case, OpSpec, Output, register
+
+FORMATS = ("e4m3", "e2m1")
+CHANNELS = (16, 32, 64, 128)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FLAGS = {
+    "plain": {},
+    "round": {"round_sf": True},
+    "colmajor": {"use_tma_aligned_col_major_sf": True},
+    "packed": {"use_tma_aligned_col_major_sf": True, "use_packed_ue8m0": True},
+    "round+colmajor": {"use_tma_aligned_col_major_sf": True, "round_sf": True},
+}
+
+# Round trip of the reference, per block: max |x - dequantize(quantize(x))| / amax(block) is at
+# most half an ulp of the format at the top of the block's range, relative to the block's amax:
+# e4m3 (3 mantissa bits): 16 / 256 = 2^-4 in the worst case (round_sf puts the block's amax
+# anywhere in (224, 448]); e2m1: a gap of 2 between 4 and 6 over an amax above 4 = 2^-2.
+# A bf16 dequantized output adds its own rounding, below 2^-9 of a value at most the amax.
+ROUND_TRIP_BOUND = {"e4m3": 2.0**-4, "e2m1": 2.0**-2}
+BF16_OUTPUT_SLACK = 2.0**-8
+
+# The reference's padding between rows of a strided quantized input (e4m3 NaN; e2m1 ±6).
+PADDING_BYTE = 0x7F
+
+WHY_Q = "quantized data: the contract fixes the scale, the multiply and the rounding, so one byte is right"
+WHY_SF = (
+    "scale factors are data for the GEMM that consumes them: exact IEEE divisions or exponent bytes; "
+    "NaN scales (from a NaN input) may differ in NaN payload only"
+)
+WHY_BACK = (
+    "one fp32 multiply of two exact operands (decoded value × scale) then round-to-nearest-even to "
+    "bf16 (or none for fp32): correctly rounded, so exactly one right answer; NaN payload is free"
+)
+
+
+@dataclass(frozen=True)
+class QuantParams:
+    fmt: str  # "e4m3" | "e2m1"
+    num_per_channels: int  # C
+    dtype: str  # "bf16" | "fp32": the casts' input, the cast back's output
+    flags: str  # a key of FLAGS (scale layout and rounding)
+    tokens: int
+    hidden: int
+    row_stride: int | None = None  # elements between rows of x; None: contiguous
+    special: str = ""  # "naninf": NaN, +Inf and -Inf in the input
+
+    @property
+    def kblocks(self) -> int:
+        return ceil_div(self.hidden, self.num_per_channels)
+
+    @property
+    def flag_kwargs(self) -> dict:
+        return dict(FLAGS[self.flags])
+
+    @property
+    def layout(self) -> ScaleLayout:
+        kwargs = self.flag_kwargs
+        return ScaleLayout.from_flags(
+            kwargs.get("use_tma_aligned_col_major_sf", False), kwargs.get("use_packed_ue8m0", False)
+        )
+
+    @property
+    def power_of_two_scales(self) -> bool:
+        return bool(self.flag_kwargs.get("round_sf") or self.flag_kwargs.get("use_packed_ue8m0"))
+
+    @property
+    def values_per_byte(self) -> int:
+        return CAST_FORMATS[self.fmt].values_per_byte
+
+
+def _shape_text(p: QuantParams) -> str:
+    return f"{p.tokens}x{p.hidden}" + (f"ld{p.row_stride}" if p.row_stride else "")
+
+
+# --- shapes -----------------------------------------------------------------------------------
+# (tokens, hidden, row_stride). Hidden sizes and strides are multiples of 16 (the widest vectors);
+# 7168 is DeepSeek-V3's hidden size; 96, 1040, 208 end in a partial 1×128 block; 4096 fills whole
+# CTAs. Every combination runs once with few tokens (decode-like, at most 64) and once with many
+# (at least 257): kernels may schedule by token count, and both tiers must reach the same compiled
+# configurations, so the quick tier's "many" shapes keep the hidden size small instead.
+FEW_TOKEN_SHAPES = [(37, 7168, 7232), (1, 4096, None), (37, 96, None), (64, 1040, None), (3, 208, 272)]
+MANY_TOKEN_SHAPES = {
+    "quick": [(300, 96, None), (257, 208, 272), (320, 1040, None), (289, 2048, 2112)],
+    "full": [(1023, 7168, 7232), (4096, 1040, None), (777, 208, 272), (2049, 4096, None), (333, 96, None)],
+}
+# One scale per row (C == H): (fmt, dtype, flags, hidden, row_stride, tokens), same in both tiers.
+WHOLE_ROW = [
+    ("e4m3", "bf16", "plain", 7168, None, 37),
+    ("e4m3", "fp32", "packed", 96, None, 333),
+    ("e2m1", "bf16", "round+colmajor", 200, 264, 3),
+    ("e2m1", "fp32", "plain", 1000, None, 300),
+    ("e4m3", "bf16", "colmajor", 4096, 4160, 1),
+]
+ZERO_TOKEN_SHAPES = [(7168, None), (208, 272)]
+# Hidden sizes / strides not multiples of 16 force narrower vectors: (hidden, row_stride, tokens).
+NARROW_SHAPES = [(1000, None, 37), (200, 264, 300), (1002, 1010, 2), (999, None, 260)]
+NANINF_TOKENS = {"quick": 4, "full": 64}
+
+
+def _primary_and_edges(tier: str) -> list[QuantParams]:
+    params: list[QuantParams] = []
+    for shapes in (FEW_TOKEN_SHAPES, MANY_TOKEN_SHAPES[tier]):
+        for i, (flags, fmt, C, dtype) in enumerate(product(FLAGS, FORMATS, CHANNELS, DTYPES)):
+            tokens, hidden, stride = shapes[i % len(shapes)]
+            params.append(QuantParams(fmt, C, dtype, flags, tokens, hidden, stride))
+    for fmt, dtype, flags, hidden, stride, tokens in WHOLE_ROW:
+        params.append(QuantParams(fmt, hidden, dtype, flags, tokens, hidden, stride))
+    for i, (flags, fmt) in enumerate(product(FLAGS, FORMATS)):
+        hidden, stride = ZERO_TOKEN_SHAPES[i % len(ZERO_TOKEN_SHAPES)]
+        params.append(QuantParams(fmt, CHANNELS[i % 4], list(DTYPES)[i % 2], flags, 0, hidden, stride))
+    flag_names = list(FLAGS)
+    i = 0
+    for (hidden, stride, tokens), fmt, dtype in product(NARROW_SHAPES, FORMATS, DTYPES):
+        if fmt == "e2m1" and hidden % 2:
+            continue  # e2m1 packs pairs: hidden must be even
+        params.append(QuantParams(fmt, CHANNELS[i % 4], dtype, flag_names[i % len(flag_names)], tokens, hidden, stride))
+        i += 1
+    for fmt, flags in product(FORMATS, ("plain", "packed")):
+        params.append(QuantParams(fmt, 32, "bf16", flags, NANINF_TOKENS[tier], 1040, None, "naninf"))
+    return params
+
+
+# Named benchmark workloads (the acceptance list): (title, params); "decode" runs in both tiers.
+_DS = 7168  # DeepSeek-V3 hidden size
+BENCHMARKS: dict[str, list[tuple[str, QuantParams]]] = {
+    "per_token_cast": [
+        ("e4m3 1×128, bf16 8192×7168", QuantParams("e4m3", 128, "bf16", "plain", 8192, _DS)),
+        ("e4m3 1×128 round_sf + packed UE8M0", QuantParams("e4m3", 128, "bf16", "packed", 8192, _DS)),
+        ("e4m3 1×32, bf16 8192×7168", QuantParams("e4m3", 32, "bf16", "plain", 8192, _DS)),
+        ("e2m1 1×32, bf16 8192×7168", QuantParams("e2m1", 32, "bf16", "plain", 8192, _DS)),
+        ("e2m1 1×16, bf16 8192×7168", QuantParams("e2m1", 16, "bf16", "plain", 8192, _DS)),
+        ("decode: e4m3 1×128, 128 tokens", QuantParams("e4m3", 128, "bf16", "plain", 128, _DS)),
+    ],
+    "per_token_cast_with_sf_only": [
+        ("scales only, e4m3 1×128, bf16 8192×7168", QuantParams("e4m3", 128, "bf16", "plain", 8192, _DS)),
+    ],
+    "per_token_cast_with_precomputed_sf": [
+        ("given scales, e4m3 1×128, bf16 8192×7168", QuantParams("e4m3", 128, "bf16", "plain", 8192, _DS)),
+    ],
+    "per_token_cast_back": [
+        ("cast back e4m3 1×128 → bf16, 8192×7168", QuantParams("e4m3", 128, "bf16", "plain", 8192, _DS)),
+    ],
+}
+QUICK_BENCHMARKS = {"decode: e4m3 1×128, 128 tokens"}
+# Large cases of the full tier (timed there because of their size, not named workloads).
+LARGE = {
+    "per_token_cast": [QuantParams("e4m3", 128, "fp32", "round+colmajor", 8192, _DS)],
+    "per_token_cast_back": [QuantParams("e2m1", 16, "bf16", "packed", 8192, _DS)],
+}
+
+
+# --- inputs -----------------------------------------------------------------------------------
+
+
+def _values(tokens: int, hidden: int, generator: torch.Generator, special: str) -> torch.Tensor:
+    values = torch.randn((tokens, hidden), generator=generator)
+    if values.numel() == 0:
+        return values
+    # Rows of different magnitudes: the scales are per block, so every row finds its own range.
+    values *= torch.exp2(torch.randint(-8, 9, (tokens, 1), generator=generator).float())
+    if tokens >= 3:
+        # Values around 1e-6: below e4m3's amax floor (1e-4), which then sets the scale.
+        values[tokens // 2] = torch.randn(hidden, generator=generator) * 1e-6
+    # Outliers: about one element in 512 is 64 times larger than its neighbours.
+    where = torch.randint(0, values.numel(), (max(1, values.numel() // 512),), generator=generator)
+    values.view(-1)[where] *= 64
+    if special == "naninf":
+        last = tokens - 1
+        values[0, 0] = float("nan")
+        values[last, hidden // 2] = float("inf")
+        values[last, hidden - 1] = float("-inf")
+    return values
+
+
+def _make_x(p: QuantParams, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """x ``[T, H]`` of ``p.dtype`` with row stride ``p.row_stride``; padding between rows is NaN."""
+    dtype = DTYPES[p.dtype]
+    width = p.row_stride or p.hidden
+    if generator is None:
+        return torch.empty((p.tokens, width), dtype=dtype, device=device)[:, : p.hidden]
+    wide = torch.full((p.tokens, width), float("nan"), dtype=dtype)
+    wide[:, : p.hidden] = _values(p.tokens, p.hidden, generator, p.special).to(dtype)
+    return wide.to(device)[:, : p.hidden]
+
+
+def _strided_data(q: torch.Tensor, p: QuantParams, device: torch.device, fill: bool) -> torch.Tensor:
+    """Quantized data with the row stride of ``p`` (a view of a wider, 0x7F-padded buffer)."""
+    width = (p.row_stride or p.hidden) // p.values_per_byte
+    if width == q.shape[1]:
+        return q
+    dtype = CAST_FORMATS[p.fmt].storage_dtype
+    if not fill:
+        return torch.empty((q.shape[0], width), dtype=dtype, device=device)[:, : q.shape[1]]
+    wide = torch.full((q.shape[0], width), PADDING_BYTE, dtype=torch.uint8, device=device).view(dtype)
+    wide[:, : q.shape[1]] = q
+    return wide[:, : q.shape[1]]
+
+
+# --- the spec ---------------------------------------------------------------------------------
+
+
+class QuantOp(OpSpec):
+    """One of the four per-token quantization operators (``variant`` picks which)."""
+
+    family = "quant"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.variant = {
+            "per_token_cast": "cast",
+            "per_token_cast_with_sf_only": "sf_only",
+            "per_token_cast_with_precomputed_sf": "precomputed_sf",
+            "per_token_cast_back": "cast_back",
+        }[name]
+        q = Output("q", Bitwise(), WHY_Q)
+        sf = Output("sf", Bitwise(nan_equal=True), WHY_SF)
+        self.outputs = {
+            "cast": (q, sf),
+            "sf_only": (sf,),
+            "precomputed_sf": (q,),
+            "cast_back": (Output("out", Bitwise(nan_equal=True), WHY_BACK),),
+        }[self.variant]
+
+    # -- cases --
+
+    def label(self, p: QuantParams) -> str:
+        label = f"{self.name}/{p.fmt}/C{p.num_per_channels}/{p.dtype}/{_shape_text(p)}/{p.flags}"
+        return label + (f"/{p.special}" if p.special else "")
+
+    def cases(self, tier: str) -> list[Case]:
+        cases = [Case(self.name, self.label(p), p) for p in _primary_and_edges(tier)]
+        for title, p in BENCHMARKS.get(self.name, []):
+            if tier == "full" or title in QUICK_BENCHMARKS:
+                cases.append(Case(self.name, self.label(p), p, benchmark=True, title=title))
+        if tier == "full":
+            cases += [Case(self.name, self.label(p), p) for p in LARGE.get(self.name, [])]
+        return cases
+
+    # -- inputs and functions --
+
+    def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
+        p: QuantParams = case.params
+        if self.variant == "cast_back":
+            source = _make_x(p, device, generator)
+            if generator is None:
+                width = p.hidden // p.values_per_byte
+                data = torch.empty((p.tokens, width), dtype=CAST_FORMATS[p.fmt].storage_dtype, device=device)
+                sf = p.layout.empty(p.tokens, p.kblocks, device)
+            else:
+                data, sf = reference.per_token_cast(source, p.fmt, p.num_per_channels, **p.flag_kwargs)
+            data = _strided_data(data, p, device, fill=generator is not None)
+            return Call(((data, sf), p.dtype, p.num_per_channels), context={"source": source})
+        x = _make_x(p, device, generator)
+        args: tuple = (x, p.fmt, p.num_per_channels)
+        if self.variant == "precomputed_sf":
+            if generator is None:
+                sf = p.layout.empty(p.tokens, p.kblocks, device)
+            else:
+                sf = reference.per_token_cast_with_sf_only(x, p.fmt, p.num_per_channels, **p.flag_kwargs)
+            args += (sf,)
+        return Call(args, p.flag_kwargs)
+
+    def reference(self) -> Callable:
+        return getattr(reference, self.name)
+
+    def optimized(self) -> Callable:
+        # jit first: it points TileLang's kernel cache at TILEPROOF_CACHE_DIR before TileLang loads.
+        importlib.import_module("tileproof.optimized.jit")
+        return getattr(importlib.import_module("tileproof.optimized.quant"), self.name)
+
+    def bytes_moved(self, case: Case) -> int:
+        p: QuantParams = case.params
+        elements = p.tokens * p.hidden
+        x_bytes = elements * DTYPES[p.dtype].itemsize
+        q_bytes = elements // p.values_per_byte
+        sf_bytes = p.tokens * p.layout.logical_columns(p.kblocks) * 4
+        return {
+            "cast": x_bytes + q_bytes + sf_bytes,
+            "sf_only": x_bytes + sf_bytes,
+            "precomputed_sf": x_bytes + sf_bytes + q_bytes,
+            "cast_back": q_bytes + sf_bytes + x_bytes,  # x_bytes: the output, of the same dtype
+        }[self.variant]
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        p: QuantParams = case.params
+        if p.tokens == 0:
+            return None  # nothing to launch, nothing compiled
+
+        def alignment(n: int) -> int:  # the largest power of two (up to 16) dividing n
+            return min(16, n & -n)
+
+        kernel = "cast_back" if self.variant == "cast_back" else "per_token_cast"
+        packed = "packed" in p.flags
+        widths = (alignment(p.hidden), alignment(p.row_stride or p.hidden))
+        return (kernel, p.fmt, p.num_per_channels, p.dtype, packed, *widths, p.tokens > 64)
+
+    # -- the reference's self-checks --
+
+    def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+        p: QuantParams = case.params
+        checks = [self._layout_check(p, outputs)]
+        if self.variant == "cast_back":
+            bound = ROUND_TRIP_BOUND[p.fmt] + (BF16_OUTPUT_SLACK if p.dtype == "bf16" else 0.0)
+            checks.append(_round_trip_check(call.context["source"], outputs[0], p, bound))
+            return checks
+        x = call.args[0]
+        flags = p.flag_kwargs
+        if self.variant == "cast":
+            q, sf = outputs
+            restored = reference.cast_back((q, sf), "fp32", (1, p.num_per_channels))
+            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+        elif self.variant == "sf_only":
+            _, expected = reference.per_token_cast(x, p.fmt, p.num_per_channels, **flags)
+            check = compare("sf_only ≡ per_token_cast's sf", outputs[0], expected, Bitwise(nan_equal=True))
+            checks.append(check)
+        else:  # precomputed_sf
+            sf = call.args[3]
+            restored = reference.cast_back((outputs[0], sf), "fp32", (1, p.num_per_channels))
+            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+            if p.power_of_two_scales:
+                # With power-of-two scales both multipliers are the exact 1/sf: same bytes, except
+                # in rows with NaN (a packed UE8M0 NaN scale reads back as +Inf, by design).
+                expected, _ = reference.per_token_cast(x, p.fmt, p.num_per_channels, **flags)
+                finite = torch.isfinite(x).all(dim=1)
+                name = "≡ per_token_cast's q (power-of-two sf, finite rows)"
+                checks.append(compare(name, outputs[0][finite], expected[finite], Bitwise()))
+        return checks
+
+    def _layout_check(self, p: QuantParams, outputs: tuple[torch.Tensor, ...]) -> Check:
+        """The reference returns the documented dtypes, shapes and strides (contract §1)."""
+        T, H = p.tokens, p.hidden
+        leading = align(T, 4)
+        if p.layout.kind == "packed_ue8m0":
+            words = ceil_div(p.kblocks, 4)
+            sf_expected = torch.empty_strided((T, words), (1, leading), dtype=torch.int32, device="meta")
+        elif p.layout.kind == "col_major":
+            sf_expected = torch.empty_strided((T, p.kblocks), (1, leading), dtype=torch.float32, device="meta")
+        else:
+            sf_expected = torch.empty((T, p.kblocks), dtype=torch.float32, device="meta")
+        fmt = CAST_FORMATS[p.fmt]
+        q_expected = torch.empty((T, H // fmt.values_per_byte), dtype=fmt.storage_dtype, device="meta")
+        expected = {
+            "cast": (q_expected, sf_expected),
+            "sf_only": (sf_expected,),
+            "precomputed_sf": (q_expected,),
+            "cast_back": (torch.empty((T, H), dtype=DTYPES[p.dtype], device="meta"),),
+        }[self.variant]
+        for output, actual, wanted in zip(self.outputs, outputs, expected, strict=True):
+            problem = structure_mismatch(actual, wanted)
+            if problem:
+                return Check("reference layout", FAIL, "documented layout", "", f"{output.name}: {problem}")
+        return Check("reference layout", PASS, "documented layout", "ok")
+
+
+def _round_trip_check(x: torch.Tensor, restored: torch.Tensor, p: QuantParams, bound: float) -> Check:
+    """max over blocks of max |x - restored| / amax(block), in float64, over rows of finite x."""
+    name = "reference round trip"
+    policy = f"block rel ≤ {bound:.4g}"
+    tokens, hidden = x.shape
+    if tokens == 0:
+        return Check(name, PASS, policy, "empty")
+    C = p.num_per_channels
+    padding = p.kblocks * C - hidden
+    source = torch.nn.functional.pad(x.to(torch.float64), (0, padding))
+    error = (torch.nn.functional.pad(restored.to(torch.float64), (0, padding)) - source).abs()
+    amax = source.abs().reshape(tokens, p.kblocks, C).amax(-1)
+    worst_error = error.reshape(tokens, p.kblocks, C).amax(-1)
+    relative = worst_error / amax
+    finite_rows = torch.isfinite(source).all(dim=1)
+    relative = relative[finite_rows]
+    worst = float(relative.max().item()) if relative.numel() else 0.0
+    if not worst <= bound:
+        row, block = divmod(int(relative.reshape(-1).nan_to_num(float("inf")).argmax().item()), p.kblocks)
+        detail = f"block (row {row} of the finite rows, block {block}): relative error {worst:.4g} > {bound:.4g}"
+        return Check(name, FAIL, policy, f"{worst:.4g}", detail)
+    return Check(name, PASS, policy, f"{worst:.4g}")
+
+
+OPS = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf", "per_token_cast_back")
+for _name in OPS:
+    register(QuantOp(_name))

@@ -1,0 +1,439 @@
+"""The oracle's reports: a rich console table, JSON (for machines), Markdown (committed under
+docs/results/ unedited) and a PNG plot (matplotlib, imported only when a plot is asked for)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from .policy import ERROR, FAIL, PASS, Check
+from .registry import get_op
+from .runner import CaseResult, Report, policies
+from .timing import geomean
+
+SCHEMA = "tileproof-oracle/1"
+_STATUS_STYLE = {PASS: "green", FAIL: "bold red", ERROR: "bold magenta"}
+
+ENVIRONMENT_ROWS = [
+    ("date_utc", "date (UTC)"),
+    ("profile", "profile"),
+    ("seed", "seed"),
+    ("gpu", "GPU"),
+    ("sm_count", "SMs"),
+    ("compute_capability", "compute capability"),
+    ("driver", "driver"),
+    ("cuda_runtime", "CUDA (torch)"),
+    ("torch", "torch"),
+    ("tilelang", "tilelang"),
+    ("triton", "triton"),
+    ("python", "Python"),
+    ("platform", "platform"),
+    ("host", "host"),
+    ("compile_target", "kernel target"),
+    ("copy_roof_gbps", "copy roof (GB/s)"),
+    ("git_revision", "git revision"),
+    ("git_dirty", "uncommitted changes"),
+]
+
+SELF_CHECKS = (
+    "Reference self-checks (every case, CPU or GPU): the reference returns the documented dtypes, "
+    "shapes and strides; quantize-then-dequantize stays within half an ulp of the format at the top "
+    "of each block, relative to the block's amax (e4m3 ≤ 2^-4, e2m1 ≤ 2^-2, plus 2^-8 for a bf16 "
+    "dequantized output), over rows of finite input; the scales-only op returns per_token_cast's "
+    "scales, and with power-of-two scales the given-scales op returns per_token_cast's data, bit for bit."
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared formatting
+# ---------------------------------------------------------------------------------------------
+
+
+def short_label(result: CaseResult) -> str:
+    """The label without its operator prefix (the operator has its own column)."""
+    prefix = result.case.op + "/"
+    label = result.case.label
+    return label[len(prefix) :] if label.startswith(prefix) else label
+
+
+def headline(result: CaseResult) -> str:
+    """The metrics and bounds of a case, in one line: the failures if any, else what passed."""
+    bad = result.failures
+    if bad:
+        return "; ".join(f"{c.name}: {c.metric or c.status}" + (f" [{c.policy}]" if c.policy else "") for c in bad)
+    output_names = {output.name for output in get_op(result.case.op).outputs}
+    compared = [c for c in result.checks if c.name in output_names and c.status == PASS]
+    if compared:  # GPU: the optimized outputs against the reference
+        return ", ".join(f"{c.name} {c.metric}" for c in compared) + f" [{compared[0].policy}]"
+    # CPU: the reference's value checks (round trip, cross-op identities), then the compile.
+    quiet = ("reference layout", "compile (optimized)")
+    parts = [
+        f"{c.name.removeprefix('reference ')} {c.metric} [{c.policy}]"
+        for c in result.checks
+        if c.status == PASS and c.name not in quiet
+    ]
+    if any(c.name == "compile (optimized)" and c.status == PASS for c in result.checks):
+        parts.append("compiled")
+    return "; ".join(parts) or "ok"
+
+
+def describe(check: Check) -> str:
+    """``name: metric [policy] detail``, leaving out the empty parts."""
+    text = f"{check.name}: {check.metric or check.status}"
+    text += f" [{check.policy}]" if check.policy else ""
+    return text + (f" {check.detail}" if check.detail else "")
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _speedup(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _verdict(report: Report) -> str:
+    counts = report.counts()
+    total = len(report.results)
+    if report.exit_status == 0:
+        checked = "compared with the reference on the GPU" if report.gpu else "reference-checked and compiled"
+        return f"all {total} cases pass ({checked})"
+    return f"{counts[FAIL]} failed and {counts[ERROR]} errors among {total} cases"
+
+
+def _device_text(report: Report) -> str:
+    env = report.environment
+    if env.get("gpu"):
+        return f"{env['gpu']} ({env['sm_count']} SMs)"
+    return "CPU only (no CUDA GPU)"
+
+
+def _family_speedups(report: Report) -> dict[str, dict]:
+    by_family: dict[str, list] = defaultdict(list)
+    for result in report.results:
+        if result.timing and result.timing.optimized_us:
+            by_family[get_op(result.case.op).family].append(result.timing)
+    return {
+        family: {
+            "cases": len(timings),
+            "vs_eager": geomean([t.speedup_eager for t in timings]),
+            "vs_compile": geomean([t.speedup_compiled for t in timings]),
+            "pct_copy_roof": geomean([t.pct_roof for t in timings]),
+        }
+        for family, timings in by_family.items()
+    }
+
+
+def _timed(report: Report) -> list[CaseResult]:
+    return [r for r in report.results if r.timing is not None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Console
+# ---------------------------------------------------------------------------------------------
+
+
+def print_report(report: Report, console: Console, *, verbose: bool = False) -> None:
+    env = report.environment
+    console.print(
+        f"[bold]tileproof oracle[/]  profile [cyan]{report.profile}[/]  seed {report.seed}  "
+        f"{_device_text(report)}  kernels for {env.get('compile_target') or '?'}"
+    )
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+
+    summary = Table(title="by operator", title_justify="left")
+    for column in ("operator", "cases", "pass", "fail", "error", "timed"):
+        summary.add_column(column, justify="left" if column == "operator" else "right")
+    for op, results in _by_op(report).items():
+        counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, ERROR)}
+        timed = sum(r.timing is not None for r in results)
+        summary.add_row(op, str(len(results)), str(counts[PASS]), str(counts[FAIL]), str(counts[ERROR]), str(timed))
+    console.print(summary)
+
+    shown = report.results if verbose else [r for r in report.results if r.status != PASS or r.timing]
+    if shown:
+        table = Table(title="cases" if verbose else "failures and timed cases", title_justify="left")
+        table.add_column("operator")
+        table.add_column("case", overflow="fold")
+        table.add_column("status")
+        table.add_column(escape("metric [bound]"), overflow="fold")
+        for column in ("µs", "GB/s", "% roof", "× eager", "× compile"):
+            table.add_column(column, justify="right")
+        for result in shown:
+            t = result.timing
+            table.add_row(
+                result.case.op,
+                Text(short_label(result)),
+                Text(result.status.upper(), style=_STATUS_STYLE[result.status]),
+                Text(headline(result)),
+                _number(t.optimized_us) if t else "",
+                _number(t.gbps, 0) if t else "",
+                _number(t.pct_roof) if t else "",
+                _speedup(t.speedup_eager) if t else "",
+                _speedup(t.speedup_compiled) if t else "",
+            )
+        console.print(table)
+
+    for family, figures in _family_speedups(report).items():
+        console.print(
+            f"geometric mean, {family} ({figures['cases']} timed cases): {_speedup(figures['vs_eager'])} vs eager, "
+            f"{_speedup(figures['vs_compile'])} vs torch.compile, {_number(figures['pct_copy_roof'])}% of copy roof"
+        )
+    for result in report.results:
+        if result.timing and result.timing.errors:
+            for callee, error in result.timing.errors.items():
+                console.print(Text("timing ", style="yellow") + Text(f"{result.case.label}: {callee}: {error}"))
+
+    for result in report.results:
+        if result.status == PASS:
+            continue
+        console.print(Text(result.status.upper(), style=_STATUS_STYLE[result.status]) + Text(f" {result.case.label}"))
+        console.print(f"  repro: {result.repro}", markup=False, highlight=False)
+        for check in result.failures:
+            console.print(f"  {describe(check)}", markup=False, highlight=False)
+    style = "green" if report.exit_status == 0 else "bold red"
+    console.print(f"[{style}]{_verdict(report)}[/] (exit status {report.exit_status})")
+
+
+def _by_op(report: Report) -> dict[str, list[CaseResult]]:
+    grouped: dict[str, list[CaseResult]] = defaultdict(list)
+    for result in report.results:
+        grouped[result.case.op].append(result)
+    return grouped
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+# ---------------------------------------------------------------------------------------------
+
+
+def report_dict(report: Report) -> dict:
+    counts = report.counts()
+    return {
+        "schema": SCHEMA,
+        "environment": report.environment,
+        "run": {
+            "profile": report.profile,
+            "seed": report.seed,
+            "gpu": report.gpu,
+            "timing": report.timing,
+            "ops": report.ops,
+            "command": report.command,
+            "notes": report.notes,
+        },
+        "summary": {
+            "cases": len(report.results),
+            "pass": counts[PASS],
+            "fail": counts[FAIL],
+            "error": counts[ERROR],
+            "exit_status": report.exit_status,
+            "geomean_speedups": _family_speedups(report),
+        },
+        "policies": {op: p for op, p in policies().items() if op in report.ops},
+        "reference_self_checks": SELF_CHECKS,
+        "cases": [_case_dict(result) for result in report.results],
+    }
+
+
+def _case_dict(result: CaseResult) -> dict:
+    case = result.case
+    params = dataclasses.asdict(case.params) if dataclasses.is_dataclass(case.params) else case.params
+    return {
+        "op": case.op,
+        "label": case.label,
+        "title": case.title or None,
+        "benchmark": case.benchmark,
+        "params": params,
+        "seed": result.seed,
+        "status": result.status,
+        "repro": result.repro,
+        "checks": [dataclasses.asdict(check) for check in result.checks],
+        "timing": result.timing.as_dict() if result.timing else None,
+    }
+
+
+def write_json(report: Report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report_dict(report), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list], align: str | None = None) -> list[str]:
+    align = align or "l" * len(header)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def markdown(report: Report) -> str:
+    env = report.environment
+    lines = [f"# tileproof oracle: `{report.profile}` profile", ""]
+    lines += [f"**Result: {_verdict(report)}** (exit status {report.exit_status}) on {_device_text(report)}.", ""]
+    for note in report.notes:
+        lines += [f"Note: {note}.", ""]
+    lines += [f"Re-run: `{report.command}`", "", "## Environment", ""]
+    rows = [[title, "—" if env.get(key) is None else env.get(key)] for key, title in ENVIRONMENT_ROWS]
+    lines += _table(["item", "value"], rows)
+
+    lines += ["", "## Comparison policy", ""]
+    rows = []
+    for op, outputs in policies().items():
+        if op in report.ops:
+            rows += [[f"`{op}`", f"`{name}`", p["rule"], p["why"]] for name, p in outputs.items()]
+    lines += _table(["operator", "output", "rule", "why"], rows)
+    lines += [
+        "",
+        "Every optimized output is also compared between two runs (bytes identical: determinism), the "
+        "outputs start as 0xFF bytes so that unwritten elements show, and every input's storage (padding "
+        "included) must be unchanged. Cases of at most 2^20 input elements also compare the reference "
+        "run on the CPU with the reference run on the GPU.",
+        "",
+        SELF_CHECKS,
+    ]
+
+    timed = _timed(report)
+    if timed:
+        roof = env.get("copy_roof_gbps")
+        lines += [
+            "",
+            "## Timings",
+            "",
+            f"Median of CUDA-event timings, L2 flushed before each run. GB/s counts the bytes the operator "
+            f"must read plus write; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s.",
+            "",
+        ]
+        rows = []
+        for result in timed:
+            t = result.timing
+            rows.append(
+                [
+                    f"`{result.case.op}`",
+                    result.case.title or f"`{short_label(result)}`",
+                    _number(t.optimized_us),
+                    _number(t.gbps, 0),
+                    _number(t.pct_roof),
+                    _number(t.eager_us),
+                    _number(t.compiled_us),
+                    _speedup(t.speedup_eager),
+                    _speedup(t.speedup_compiled),
+                ]
+            )
+        header = ["operator", "workload", "µs", "GB/s", "% roof", "eager µs", "compile µs", "× eager", "× compile"]
+        lines += _table(header, rows, "llrrrrrrr")
+        speedups = _family_speedups(report)
+        if speedups:
+            lines += ["", "Geometric means per family:", ""]
+            lines += _table(
+                ["family", "timed cases", "× eager", "× torch.compile", "% roof"],
+                [
+                    [f, s["cases"], _speedup(s["vs_eager"]), _speedup(s["vs_compile"]), _number(s["pct_copy_roof"])]
+                    for f, s in speedups.items()
+                ],
+                "lrrrr",
+            )
+        errors = [(r.case.label, c, e) for r in timed for c, e in r.timing.errors.items()]
+        if errors:
+            lines += ["", "Timing notes:", ""] + [f"- `{label}` {callee}: {error}" for label, callee, error in errors]
+
+    failing = [r for r in report.results if r.status != PASS]
+    if failing:
+        lines += ["", "## Failures", ""]
+        for result in failing:
+            lines += [f"### `{result.case.label}` ({result.status})", "", f"Repro: `{result.repro}`", ""]
+            lines += [f"- {_cell(describe(c))}" for c in result.failures]
+            lines += [""]
+
+    lines += ["", "## By operator", ""]
+    rows = []
+    for op, results in _by_op(report).items():
+        counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, ERROR)}
+        rows.append([f"`{op}`", len(results), counts[PASS], counts[FAIL], counts[ERROR]])
+    lines += _table(["operator", "cases", "pass", "fail", "error"], rows, "lrrrr")
+
+    lines += ["", f"<details><summary>All {len(report.results)} cases</summary>", ""]
+    rows = [[f"`{r.case.op}`", f"`{short_label(r)}`", r.status.upper(), headline(r)] for r in report.results]
+    lines += _table(["operator", "case", "status", "metric [bound]"], rows)
+    lines += ["", "</details>", ""]
+    return "\n".join(lines)
+
+
+def write_markdown(report: Report, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown(report), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plot
+# ---------------------------------------------------------------------------------------------
+
+
+def write_plot(report: Report, path: Path) -> None:
+    """Per timed case: % of the copy roof (optimized, eager, compiled) and the speedups."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    timed = _timed(report)
+    title = f"tileproof oracle, {report.profile} profile, {_device_text(report)}"
+    if not timed:
+        figure, axis = plt.subplots(figsize=(8, 2))
+        axis.axis("off")
+        why = "; ".join(report.notes) or "no timed cases in this selection"
+        axis.text(0.5, 0.5, f"no timings: {why}", ha="center", va="center")
+        figure.suptitle(title)
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        return
+
+    names = [f"{r.case.op}: {r.case.title or short_label(r)}" for r in timed]
+    height = 0.27
+    rows = range(len(timed))
+    figure, (roof_axis, speed_axis) = plt.subplots(
+        1, 2, figsize=(15, 1.2 + 0.55 * len(timed)), sharey=True, gridspec_kw={"width_ratios": [3, 2]}
+    )
+    series = [("optimized", "tab:green", "optimized_us"), ("eager", "tab:gray", "eager_us")]
+    series.append(("torch.compile", "tab:blue", "compiled_us"))
+    for k, (name, color, attribute) in enumerate(series):
+        values = []
+        for result in timed:
+            t = result.timing
+            us = getattr(t, attribute)
+            values.append(100.0 * t.bytes_moved / (us * 1e3) / t.roof_gbps if us else 0.0)
+        roof_axis.barh([i + (k - 1) * height for i in rows], values, height, label=name, color=color)
+    roof_axis.axvline(100, color="black", linewidth=0.8)
+    roof_axis.set_xlabel(f"% of copy roof ({report.environment.get('copy_roof_gbps'):,.0f} GB/s)")
+    roof_axis.set_yticks(list(rows), names)
+    roof_axis.invert_yaxis()
+    roof_axis.legend(loc="lower right", fontsize="small")
+    # A missing speedup (a baseline that failed) is NaN: no bar, rather than a bar at 0 on a log axis.
+    eager = [r.timing.speedup_eager or float("nan") for r in timed]
+    compiled = [r.timing.speedup_compiled or float("nan") for r in timed]
+    speed_axis.barh([i - height / 2 for i in rows], eager, height, label="vs eager", color="tab:gray")
+    speed_axis.barh([i + height / 2 for i in rows], compiled, height, label="vs torch.compile", color="tab:blue")
+    speed_axis.axvline(1, color="black", linewidth=0.8)
+    speed_axis.set_xscale("log")
+    speed_axis.set_xlabel("speedup of the optimized kernel (×, log scale)")
+    speed_axis.legend(loc="lower right", fontsize="small")
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

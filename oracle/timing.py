@@ -1,0 +1,165 @@
+"""GPU timing: medians of CUDA-event measurements with the L2 cache flushed before every run.
+
+Before each timed run a 256 MiB buffer (over four times the H200's 60 MB L2) is overwritten, so
+every run reads its inputs from HBM, as a large operator does in a model; this is what
+``triton.testing.do_bench`` does too (done here without triton, which the CPU machines lack). The
+events bracket the operator alone: the flush is not timed. The number of runs adapts to the
+operator's duration (a fixed budget of GPU time per callee), and the median is reported.
+
+Bandwidth is ``bytes_moved / time`` with the operator's bytes model (bytes it must read plus bytes
+it must write); the roof is the measured device-to-device copy bandwidth of the H200.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .registry import Call, Case, OpSpec
+
+COPY_ROOF_GBPS = 4217.0  # H200, torch 2.11: device-to-device copy, bytes read + bytes written
+COPY_ROOF_ENV = "TILEPROOF_COPY_ROOF_GBPS"
+L2_FLUSH_BYTES = 256 << 20
+BUDGET_MS = 100.0  # GPU time spent on the timed runs of one callee
+MIN_REPS, MAX_REPS = 5, 200
+LARGE_CASE_BYTES = 128 << 20  # full-profile cases moving at least this much are timed too
+
+
+def copy_roof_gbps() -> float:
+    """The copy roof in GB/s: ``TILEPROOF_COPY_ROOF_GBPS`` if set, else the measured H200 figure."""
+    raw = os.environ.get(COPY_ROOF_ENV, "").strip()
+    if not raw:
+        return COPY_ROOF_GBPS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{COPY_ROOF_ENV} must be a positive number of GB/s, got {raw!r}")
+    return value
+
+
+@dataclass
+class Timing:
+    """Median times of one case (µs; None when not measured) and what they imply."""
+
+    bytes_moved: int
+    roof_gbps: float
+    optimized_us: float | None = None
+    eager_us: float | None = None
+    compiled_us: float | None = None
+    reps: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # callee -> why it has no time
+
+    @property
+    def gbps(self) -> float | None:
+        return self.bytes_moved / (self.optimized_us * 1e3) if self.optimized_us else None
+
+    @property
+    def pct_roof(self) -> float | None:
+        return 100.0 * self.gbps / self.roof_gbps if self.gbps is not None else None
+
+    @property
+    def speedup_eager(self) -> float | None:
+        return self.eager_us / self.optimized_us if self.eager_us and self.optimized_us else None
+
+    @property
+    def speedup_compiled(self) -> float | None:
+        return self.compiled_us / self.optimized_us if self.compiled_us and self.optimized_us else None
+
+    def as_dict(self) -> dict:
+        return {
+            "bytes_moved": self.bytes_moved,
+            "copy_roof_gbps": self.roof_gbps,
+            "optimized_us": self.optimized_us,
+            "reference_eager_us": self.eager_us,
+            "reference_compiled_us": self.compiled_us,
+            "gbps": self.gbps,
+            "pct_copy_roof": self.pct_roof,
+            "speedup_vs_eager": self.speedup_eager,
+            "speedup_vs_compile": self.speedup_compiled,
+            "reps": self.reps,
+            "errors": self.errors,
+        }
+
+
+class Timer:
+    """Times callables on one CUDA device (owns the L2-flush buffer)."""
+
+    def __init__(self, device: torch.device, flush_bytes: int | None = None):
+        self.flush = torch.empty(flush_bytes or L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+    def median_us(self, fn: Callable[[], object]) -> tuple[float, int]:
+        fn()  # warm-up: first-call costs (compilation, allocator growth) are not timed
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        estimate_ms = max(start.elapsed_time(end) / 3, 1e-3)
+        reps = max(MIN_REPS, min(MAX_REPS, int(BUDGET_MS / estimate_ms)))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for begin, finish in zip(starts, ends, strict=True):
+            self.flush.zero_()
+            begin.record()
+            fn()
+            finish.record()
+        torch.cuda.synchronize()
+        return statistics.median(b.elapsed_time(f) for b, f in zip(starts, ends, strict=True)) * 1e3, reps
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled_reference(op: OpSpec) -> Callable:
+    """``torch.compile`` of the op's reference, one per op (shapes recompile inside it)."""
+    if op.name not in _COMPILED:
+        import torch._dynamo
+
+        # Each timed shape and flag set is its own graph; the default limit (8) would silently
+        # fall back to eager after a few cases.
+        for limit in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+            try:
+                setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+            except (AttributeError, TypeError):
+                pass
+        _COMPILED[op.name] = torch.compile(op.reference(), dynamic=False)
+    return _COMPILED[op.name]
+
+
+def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile: bool = True) -> Timing:
+    """Median times of the optimized op, the eager reference and the compiled reference."""
+    timing = Timing(op.bytes_moved(case), copy_roof_gbps())
+    callees: list[tuple[str, Callable[[], Callable]]] = [("optimized", op.optimized), ("eager", op.reference)]
+    if torch_compile:
+        callees.append(("compiled", lambda: compiled_reference(op)))
+    else:
+        timing.errors["compiled"] = "skipped (--no-torch-compile)"
+    for name, get in callees:
+        try:
+            fn = get()
+            median, reps = timer.median_us(lambda fn=fn: call(fn))
+        except Exception as error:  # a baseline that fails is reported, not fatal
+            timing.errors[name] = first_line(error)
+            continue
+        setattr(timing, f"{name}_us", median)
+        timing.reps[name] = reps
+    return timing
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None

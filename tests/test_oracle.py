@@ -1,0 +1,509 @@
+"""CPU tests of the oracle's machinery: registry and cases, the comparison policy, the GPU-mode
+checks (driven on the CPU with stand-in optimized functions), reports and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import time
+
+import pytest
+import torch
+
+from tileproof.oracle import cli, policy, registry, report, runner, timing
+from tileproof.oracle.policy import ERROR, FAIL, PASS, Bitwise, RelativeError, compare
+from tileproof.oracle.quant import CHANNELS, FLAGS, FORMATS
+
+OPS = (
+    "per_token_cast",
+    "per_token_cast_with_sf_only",
+    "per_token_cast_with_precomputed_sf",
+    "per_token_cast_back",
+)
+CPU = torch.device("cpu")
+
+
+def _case(label: str, profile: str = "quick") -> registry.Case:
+    (case,) = registry.select_cases(profile, patterns=[label])
+    return case
+
+
+def _small_case(op: str, fmt: str = "e4m3", flags: str = "plain") -> registry.Case:
+    """A cheap case of ``op`` with at least one token."""
+    for case in registry.cases_of(op, "quick"):
+        p = case.params
+        if p.fmt == fmt and p.flags == flags and 0 < p.tokens * p.hidden <= 4096 and not p.special:
+            return case
+    raise AssertionError(f"no small {fmt}/{flags} case of {op}")
+
+
+def _zero_token_case(op: str) -> registry.Case:
+    return next(case for case in registry.cases_of(op, "quick") if case.params.tokens == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry and cases
+# ---------------------------------------------------------------------------------------------
+
+
+def test_registry_lists_the_four_quant_ops():
+    assert tuple(registry.all_ops()) == OPS
+    for op in registry.all_ops().values():
+        assert op.family == "quant" and op.outputs
+
+
+@pytest.mark.parametrize("tier", registry.TIERS)
+@pytest.mark.parametrize("op", OPS)
+def test_every_tier_covers_the_edges(op, tier):
+    cases = registry.cases_of(op, tier)
+    params = [case.params for case in cases]
+    tokens = {p.tokens for p in params}
+    assert {0, 1} <= tokens
+    assert any(t % 2 and t > 1 for t in tokens), "an odd token count above 1"
+    assert any(p.hidden % 128 for p in params), "a hidden size that is not a multiple of 128"
+    assert any(p.row_stride and p.row_stride > p.hidden for p in params), "a strided (row stride > H) input"
+    assert {p.fmt for p in params} == set(FORMATS)
+    assert {p.dtype for p in params} == {"bf16", "fp32"}
+    assert {p.flags for p in params} == set(FLAGS)
+    assert set(CHANNELS) <= {p.num_per_channels for p in params}
+    assert any(p.num_per_channels == p.hidden for p in params), "C == H"
+    assert any(p.special == "naninf" for p in params)
+    for p in params:
+        if p.fmt == "e2m1":
+            assert p.hidden % 2 == 0
+        assert p.num_per_channels in CHANNELS or p.num_per_channels == p.hidden
+
+
+def test_full_tier_has_the_acceptance_benchmarks():
+    labels = {case.label for case in registry.select_cases("full") if case.benchmark}
+    for label in (
+        "per_token_cast/e4m3/C128/bf16/8192x7168/plain",
+        "per_token_cast/e4m3/C128/bf16/8192x7168/packed",
+        "per_token_cast/e4m3/C32/bf16/8192x7168/plain",
+        "per_token_cast/e2m1/C32/bf16/8192x7168/plain",
+        "per_token_cast/e2m1/C16/bf16/8192x7168/plain",
+        "per_token_cast/e4m3/C128/bf16/128x7168/plain",
+        "per_token_cast_back/e4m3/C128/bf16/8192x7168/plain",
+    ):
+        assert label in labels
+
+
+def test_quick_and_full_need_the_same_kernel_configurations():
+    def groups(profile):
+        return {registry.get_op(c.op).compile_group(c) for c in registry.select_cases(profile)} - {None}
+
+    assert groups("full") == groups("quick")
+
+
+def test_case_seeds_are_stable_and_distinct():
+    assert registry.case_seed(0, "a") == registry.case_seed(0, "a")
+    assert registry.case_seed(0, "a") != registry.case_seed(0, "b")
+    assert registry.case_seed(0, "a") != registry.case_seed(1, "a")
+    assert 0 <= registry.case_seed(12345, "x") < 2**63
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_inputs_are_seeded_strided_and_nonzero(op):
+    case = next(c for c in registry.cases_of(op, "quick") if c.params.row_stride and c.params.tokens > 1)
+    spec = registry.get_op(op)
+    first = spec.build(case, CPU, torch.Generator().manual_seed(5))
+    again = spec.build(case, CPU, torch.Generator().manual_seed(5))
+    other = spec.build(case, CPU, torch.Generator().manual_seed(6))
+    for a, b in zip(first.tensors(), again.tensors(), strict=True):
+        assert policy.same_bytes(a, b)
+    assert not all(policy.same_bytes(a, b) for a, b in zip(first.tensors(), other.tensors(), strict=True))
+    x = first.context["source"] if op == "per_token_cast_back" else first.args[0]
+    assert x.stride(0) == case.params.row_stride > x.shape[1]
+    assert bool((x.float().abs() > 0).any())
+    padding = x.as_strided((x.shape[0], x.stride(0)), x.stride())[:, x.shape[1] :]
+    assert bool(torch.isnan(padding.float()).all()), "row padding is NaN, so over-reads show"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_uninitialized_inputs_have_the_seeded_layout(op):
+    case = next(c for c in registry.cases_of(op, "quick") if c.params.row_stride and "colmajor" in c.params.flags)
+    spec = registry.get_op(op)
+    real = spec.build(case, CPU, torch.Generator().manual_seed(0)).tensors()
+    empty = spec.build(case, CPU, None).tensors()
+    assert [(t.dtype, t.shape, t.stride()) for t in real] == [(t.dtype, t.shape, t.stride()) for t in empty]
+
+
+# ---------------------------------------------------------------------------------------------
+# The comparison policy
+# ---------------------------------------------------------------------------------------------
+
+
+def _q(generator, shape=(4, 64)):
+    return (torch.randn(shape, generator=generator) * 100).to(torch.float8_e4m3fn)
+
+
+def test_bitwise_passes_identical_tensors(generator):
+    q = _q(generator)
+    check = compare("q", q.clone(), q, Bitwise())
+    assert check.status == PASS and check.metric == f"0/{q.numel()} differ"
+
+
+def test_bitwise_flags_a_single_bit(generator):
+    q = _q(generator)
+    flipped = q.clone()
+    flipped.view(torch.uint8)[2, 5] ^= 1
+    check = compare("q", flipped, q, Bitwise())
+    assert check.status == FAIL
+    assert check.metric == f"1/{q.numel()} differ"
+    assert "[2, 5]" in check.detail
+
+
+def test_bitwise_flags_dtype_shape_and_strides(generator):
+    sf = torch.rand((8, 4), generator=generator)
+    assert compare("sf", sf.double(), sf, Bitwise()).status == FAIL
+    assert "dtype" in compare("sf", sf.double(), sf, Bitwise()).detail
+    assert "shape" in compare("sf", sf[:7], sf, Bitwise()).detail
+    column_major = sf.T.contiguous().T  # same values, strides (1, 8)
+    check = compare("sf", column_major, sf, Bitwise())
+    assert check.status == FAIL and "strides" in check.detail
+
+
+def test_bitwise_ignores_strides_of_unit_and_empty_dimensions():
+    one_row = torch.empty_strided((1, 4), (100, 1))  # the row stride addresses no second row
+    one_row.copy_(torch.arange(4.0).reshape(1, 4))
+    assert compare("sf", one_row, torch.arange(4.0).reshape(1, 4), Bitwise()).status == PASS
+    assert compare("sf", torch.empty_strided((0, 3), (1, 0)), torch.empty((0, 3)), Bitwise()).status == PASS
+
+
+def test_bitwise_nan_equal_only_when_asked():
+    expected = torch.tensor([1.0, float("nan")])
+    other_nan = expected.clone()
+    other_nan.view(torch.int32)[1] = 0x7FFFFFFF  # a NaN with other payload bits
+    assert compare("sf", other_nan, expected, Bitwise(nan_equal=True)).status == PASS
+    assert compare("sf", other_nan, expected, Bitwise()).status == FAIL
+    # A NaN where the reference is a number is never equal.
+    assert compare("sf", torch.tensor([float("nan"), float("nan")]), expected, Bitwise(nan_equal=True)).status == FAIL
+
+
+def test_relative_error_bound(generator):
+    expected = torch.randn(256, generator=generator, dtype=torch.float64) + 3
+    close = (expected * (1 + 1e-4)).float()
+    far = (expected * (1 + 1e-2)).float()
+    rule = RelativeError(1e-3)
+    assert compare("y", close, expected.float(), rule, expected64=expected).status == PASS
+    check = compare("y", far, expected.float(), rule, expected64=expected)
+    assert check.status == FAIL and "> 0.001" in check.detail
+    assert float(check.metric) == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_relative_error_non_finite():
+    rule = RelativeError(1e-3)
+    expected = torch.tensor([1.0, 2.0, float("inf"), float("nan")])
+    assert compare("y", expected.clone(), expected, rule).status == PASS
+    nan_where_finite = torch.tensor([float("nan"), 2.0, float("inf"), float("nan")])
+    check = compare("y", nan_where_finite, expected, rule)
+    assert check.status == FAIL and "non-finite" in check.detail
+    wrong_infinity = torch.tensor([1.0, 2.0, float("-inf"), float("nan")])
+    assert compare("y", wrong_infinity, expected, rule).status == FAIL
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks of one case: CPU mode, and GPU mode driven on the CPU with stand-in optimized functions
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reference_self_checks_pass(op, seed):
+    for fmt, flags in (("e4m3", "plain"), ("e2m1", "packed")):
+        case = _small_case(op, fmt, flags)
+        checks, _ = runner.check_case(case, seed, CPU, None, gpu=False)
+        assert [c.status for c in checks if c.status not in (PASS, policy.SKIP)] == [], checks
+        assert any(c.name == "GPU comparison" and runner.NO_GPU_NOTE in c.detail for c in checks)
+
+
+def _statuses(checks):
+    return {check.name: check.status for check in checks}
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Replace an op's optimized function (the GPU-mode checks then run on the CPU)."""
+
+    def install(op_name, fn):
+        monkeypatch.setattr(registry.get_op(op_name), "optimized", lambda: fn)
+
+    return install
+
+
+def test_gpu_mode_passes_when_optimized_is_the_reference(stand_in, seed):
+    case = _small_case("per_token_cast", "e2m1", "packed")
+    stand_in(case.op, registry.get_op(case.op).reference())
+    checks, _ = runner.check_case(case, seed, CPU, None, gpu=True)
+    statuses = _statuses(checks)
+    assert statuses["q"] == statuses["sf"] == statuses["determinism"] == statuses["inputs untouched"] == PASS
+    assert statuses["reference CPU ≡ GPU: q"] == PASS
+    assert all(check.ok for check in checks), checks
+
+
+def test_gpu_mode_reports_a_wrong_byte_with_its_repro(stand_in, seed):
+    case = _small_case("per_token_cast")
+    reference = registry.get_op(case.op).reference()
+
+    def off_by_one_bit(*args, **kwargs):
+        q, sf = reference(*args, **kwargs)
+        q.view(torch.uint8)[0, 3] ^= 1
+        return q, sf
+
+    stand_in(case.op, off_by_one_bit)
+    checks, _ = runner.check_case(case, seed, CPU, None, gpu=True)
+    (q_check,) = [c for c in checks if c.name == "q"]
+    assert q_check.status == FAIL and "first mismatch at [0, 3]" in q_check.detail
+    assert _statuses(checks)["sf"] == PASS
+    result = runner.CaseResult(case, seed, runner.repro_command(case, 0, "quick"), checks)
+    assert result.status == FAIL and result.failures == [q_check]
+
+
+def test_gpu_mode_catches_nondeterminism_input_writes_and_exceptions(stand_in, seed):
+    case = _small_case("per_token_cast_with_sf_only")
+    reference = registry.get_op(case.op).reference()
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        sf = reference(*args, **kwargs)
+        return sf if len(calls) % 2 else sf * 2
+
+    stand_in(case.op, flaky)
+    assert _statuses(runner.check_case(case, seed, CPU, None, gpu=True)[0])["determinism"] == FAIL
+
+    def writes_its_input(x, *args, **kwargs):
+        sf = reference(x, *args, **kwargs)
+        x.as_strided((1,), (1,), x.storage_offset() + x.shape[1]).fill_(0)  # the row padding
+        return sf
+
+    stand_in(case.op, writes_its_input)
+    strided = next(c for c in registry.cases_of(case.op, "quick") if c.params.row_stride and c.params.tokens > 1)
+    assert _statuses(runner.check_case(strided, seed, CPU, None, gpu=True)[0])["inputs untouched"] == FAIL
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    stand_in(case.op, raises)
+    checks, _ = runner.check_case(case, seed, CPU, None, gpu=True)
+    assert _statuses(checks)["optimized"] == ERROR
+
+
+def test_compile_error_is_reported_not_raised(monkeypatch, seed):
+    case = _small_case("per_token_cast_back")
+
+    def broken():
+        raise ImportError("cannot import name 'cast_back'")
+
+    monkeypatch.setattr(registry.get_op(case.op), "optimized", broken)
+    errors = runner.compile_pass([case], device=CPU, workers=1)
+    assert "cannot import the optimized twin" in errors[case.label]
+    checks, _ = runner.check_case(case, seed, CPU, errors[case.label], gpu=False)
+    assert _statuses(checks)["compile (optimized)"] == ERROR
+
+
+@pytest.mark.compile
+def test_compile_all_on_a_small_selection():
+    labels = [_zero_token_case("per_token_cast").label, _small_case("per_token_cast").label]
+    assert runner.compile_all("quick", ["per_token_cast"], labels, workers=2) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------
+
+
+def _report_with_timings(seed) -> runner.Report:
+    case = _small_case("per_token_cast")
+    checks, _ = runner.check_case(case, seed, CPU, None, gpu=False)
+    result = runner.CaseResult(case, seed, runner.repro_command(case, 0, "quick"), checks)
+    result.timing = timing.Timing(10**9, timing.COPY_ROOF_GBPS, optimized_us=500.0, eager_us=5000.0)
+    result.timing.errors["compiled"] = "RuntimeError: stand-in"
+    env = runner.environment("quick", 0)
+    return runner.Report(env, "quick", 0, False, True, [case.op], [result], [runner.NO_GPU_NOTE], "tileproof oracle")
+
+
+def test_timing_figures(seed):
+    t = _report_with_timings(seed).results[0].timing
+    assert t.gbps == pytest.approx(2000.0)
+    assert t.pct_roof == pytest.approx(100 * 2000 / timing.COPY_ROOF_GBPS)
+    assert t.speedup_eager == pytest.approx(10.0) and t.speedup_compiled is None
+    assert timing.geomean([2.0, 8.0, None]) == pytest.approx(4.0)
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event on the CPU (host clock; enough to test the bookkeeping)."""
+
+    def __init__(self, enable_timing=True):
+        self.at = 0.0
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = _small_case("per_token_cast")
+    op = registry.get_op(case.op)
+    reference = op.reference()
+    stand_in(case.op, reference)
+    call = op.build(case, CPU, torch.Generator().manual_seed(seed))
+    timer = timing.Timer(CPU, flush_bytes=1 << 10)
+    measured = timing.time_case(op, case, call, timer, torch_compile=False)
+    assert measured.optimized_us > 0 and measured.eager_us > 0 and measured.compiled_us is None
+    assert timing.MIN_REPS <= measured.reps["optimized"] <= timing.MAX_REPS
+    assert "compiled" in measured.errors
+    assert measured.bytes_moved == op.bytes_moved(case) > 0
+
+    def broken_compile(op):
+        raise RuntimeError("inductor says no")
+
+    monkeypatch.setattr(timing, "compiled_reference", broken_compile)
+    measured = timing.time_case(op, case, call, timer)
+    assert measured.errors["compiled"] == "RuntimeError: inductor says no"
+    assert measured.optimized_us > 0
+
+
+def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
+    """The whole GPU-mode run (compare, determinism, timing, reports) on the CPU: the optimized
+    op is the reference itself, CUDA events are host clocks."""
+    monkeypatch.setattr(runner, "execution_target", lambda: (CPU, True))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(timing, "L2_FLUSH_BYTES", 1 << 10)
+    monkeypatch.setattr(runner, "compile_pass", lambda cases, **kwargs: {case.label: None for case in cases})
+    op = registry.get_op("per_token_cast")
+    stand_in(op.name, op.reference())
+    benchmark = next(case for case in registry.cases_of(op.name, "quick") if case.benchmark)
+    labels = [benchmark.label, _small_case(op.name).label]
+    built = runner.run("quick", patterns=labels, torch_compile=False)
+    assert built.exit_status == 0 and built.gpu and not built.notes
+    timed = {r.case.label: r.timing for r in built.results if r.timing}
+    assert list(timed) == [benchmark.label] and timed[benchmark.label].optimized_us > 0
+    (bench_result,) = [r for r in built.results if r.case.benchmark]
+    names = {check.name for check in bench_result.checks}
+    assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
+    text = report.markdown(built)
+    assert "## Timings" in text and benchmark.title in text
+    report.write_json(built, tmp_path / "gpu.json")
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["summary"]["geomean_speedups"]["quant"]["cases"] == 1
+
+
+def test_copy_roof_from_the_environment(monkeypatch):
+    monkeypatch.setenv(timing.COPY_ROOF_ENV, "3350")
+    assert timing.copy_roof_gbps() == 3350.0
+    monkeypatch.setenv(timing.COPY_ROOF_ENV, "fast")
+    with pytest.raises(ValueError, match=timing.COPY_ROOF_ENV):
+        timing.copy_roof_gbps()
+
+
+def test_markdown_and_plot_with_timings(tmp_path, seed):
+    built = _report_with_timings(seed)
+    text = report.markdown(built)
+    for needle in ("## Environment", "## Comparison policy", "## Timings", "10.00×", "RuntimeError: stand-in"):
+        assert needle in text
+    assert ">>>" not in text  # docs/ markdown is collected for doctests
+    pytest.importorskip("matplotlib")
+    report.write_plot(built, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_console_report_shows_bounds_failures_and_repro(seed):
+    import io
+
+    from rich.console import Console
+
+    built = _report_with_timings(seed)
+    failing = built.results[0]
+    bad = policy.Check("q", FAIL, "bitwise", "1/64 differ", "first mismatch at [0, 3]: expected 1.0 (0x38), got …")
+    built.results.append(runner.CaseResult(failing.case, seed, failing.repro, [bad]))
+    stream = io.StringIO()
+    report.print_report(built, Console(file=stream, width=250), verbose=True)
+    text = stream.getvalue()
+    assert "[block rel ≤" in text  # bounds survive rich's markup
+    assert "repro: tileproof oracle --op per_token_cast --case" in text
+    assert "q: 1/64 differ [bitwise] first mismatch at [0, 3]" in text
+    assert "10.00×" in text and "exit status 1" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["oracle", "--op", "no_such_op"],
+        ["oracle", "--profile", "huge"],
+        ["oracle", "--case", "per_token_cast/no/such/case"],
+        ["oracle", "--seed", "-1"],
+        ["oracle", "--max-cases", "0"],
+        ["oracel"],
+        [],
+    ],
+)
+def test_cli_usage_errors_exit_2(argv, capsys):
+    assert cli.main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_list(capsys):
+    assert cli.main(["oracle", "--list", "--op", "per_token_cast_back", "--profile", "full"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(registry.cases_of("per_token_cast_back", "full"))
+    assert any("[benchmark:" in line for line in lines)
+
+
+def test_cli_runs_a_selection_and_writes_reports(tmp_path, capsys):
+    labels = [_zero_token_case("per_token_cast").label, _small_case("per_token_cast").label]
+    json_path, markdown_path = tmp_path / "out" / "oracle.json", tmp_path / "oracle.md"
+    argv = ["oracle", "--op", "per_token_cast", "--profile", "quick", "--no-timing", "--jobs", "2"]
+    argv += [arg for label in labels for arg in ("--case", label)]
+    argv += ["--json", str(json_path), "--markdown", str(markdown_path)]
+    status = cli.main(argv)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "all 2 cases pass" in out
+
+    data = json.loads(json_path.read_text())
+    assert data["schema"] == report.SCHEMA
+    for key in ("date_utc", "torch", "tilelang", "gpu", "sm_count", "driver", "git_revision", "profile", "seed"):
+        assert key in data["environment"]
+    assert sorted(case["label"] for case in data["cases"]) == sorted(labels)
+    assert data["summary"]["exit_status"] == 0
+    assert data["policies"]["per_token_cast"]["q"]["policy"] == "bitwise"
+    if not torch.cuda.is_available():
+        assert runner.NO_GPU_NOTE in data["run"]["notes"]
+
+    text = markdown_path.read_text()
+    assert "## Environment" in text and "| torch |" in text and "## Comparison policy" in text
+    assert "--case" in text  # the re-run command names the selection
+
+
+@pytest.mark.parametrize("profile", registry.TIERS)
+def test_repro_command_selects_exactly_its_case(profile):
+    cases = registry.select_cases(profile)
+    for case in (cases[0], cases[len(cases) // 2], cases[-1]):
+        words = shlex.split(runner.repro_command(case, 42, profile))
+        assert words[:2] == ["tileproof", "oracle"]
+        args = cli.build_parser().parse_args(words[1:])
+        assert args.seed == 42 and args.no_timing
+        assert cli.select(args) == [case]
+
+
+def test_json_of_every_case_is_serializable(seed):
+    case = _small_case("per_token_cast_with_precomputed_sf", "e2m1", "packed")
+    checks, _ = runner.check_case(case, seed, CPU, None, gpu=False)
+    result = runner.CaseResult(case, seed, "repro", checks)
+    built = runner.Report(runner.environment("quick", 0), "quick", 0, False, False, [case.op], [result])
+    data = json.loads(json.dumps(report.report_dict(built)))
+    assert data["cases"][0]["params"] == dataclasses.asdict(case.params)
