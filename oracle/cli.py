@@ -4,6 +4,8 @@ Environment variables:
 
 - ``TILEPROOF_COPY_ROOF_GBPS``: the bandwidth roof of "% of roof", in GB/s (default 4217, the
   device-to-device copy bandwidth measured on the H200, bytes read plus bytes written).
+- ``TILEPROOF_GIT_REVISION``: the commit recorded in reports when the code runs outside a git
+  checkout (an installed copy on a GPU machine).
 - ``TILEPROOF_CACHE_DIR`` and ``TILEPROOF_TARGET`` are read by ``tileproof.optimized.jit`` (TileLang's
   kernel cache; the compile target, sm_90a when there is no GPU).
 

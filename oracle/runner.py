@@ -38,6 +38,7 @@ from .registry import Call, Case, all_ops, case_seed, get_op, select_cases
 from .timing import L2_FLUSH_BYTES, LARGE_CASE_BYTES, Timer, Timing, copy_roof_gbps, first_line, time_case
 
 NO_GPU_NOTE = "no CUDA GPU: comparisons and timings skipped"
+GIT_REVISION_ENV = "TILEPROOF_GIT_REVISION"
 CPU_CROSS_CHECK_ELEMENTS = 1 << 20  # reference CPU ≡ GPU on cases up to this many input elements
 COMPILE_NAME = "compile (optimized)"
 
@@ -466,6 +467,10 @@ def environment(profile: str, seed: int) -> dict:
     if revision:
         env["git_revision"] = revision
         env["git_dirty"] = bool(_command("git", "status", "--porcelain", "--untracked-files=no", cwd=root))
+    elif os.environ.get(GIT_REVISION_ENV):
+        # An installed copy (e.g. on a GPU machine that received the tree without .git) is told
+        # which commit it is.
+        env["git_revision"] = os.environ[GIT_REVISION_ENV].strip()
     return env
 
 
