@@ -29,12 +29,17 @@ def _input(tokens, hidden, dtype, row_padding, generator):
     return wide.to(dtype).cuda()[:, :hidden]
 
 
+def _bytes(tensor):
+    # .contiguous() first: a one-row column-major scale tensor reshapes to a stride-4 view.
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
 def _assert_same_bits(actual, expected, what):
     assert actual.dtype == expected.dtype, what
     assert actual.shape == expected.shape, what
     if actual.numel():
         assert actual.stride() == expected.stride(), what
-        mismatch = (actual.reshape(-1).view(torch.uint8) != expected.reshape(-1).view(torch.uint8)).nonzero()
+        mismatch = (_bytes(actual) != _bytes(expected)).nonzero()
         assert mismatch.numel() == 0, f"{what}: {mismatch.shape[0]} bytes differ, first at {mismatch[0].tolist()}"
 
 
