@@ -1,5 +1,5 @@
 """Readable PyTorch twins of every operator: the executable specification (CPU and GPU)."""
 
-from . import quant
+from . import engram, moe, quant, transpose
 
-__all__ = ["quant"]
+__all__ = ["engram", "moe", "quant", "transpose"]

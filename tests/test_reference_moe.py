@@ -1,0 +1,386 @@
+"""The reference twin of the MoE gating and routing family, proven on its own (CPU only).
+
+Each operator is compared with an independent scalar implementation written here: rows are ranked
+with ``sorted(range(E), key=(-score, index))`` (NaN first), counts are taken with Python loops, and
+fp32 arithmetic is done on Python doubles rounded to fp32 with ``struct`` after every operation
+(double rounding is innocuous for one fp32 addition or division: 53 >= 2·24 + 2). Integer results
+and fp32 results of a fixed sequence of IEEE operations must agree bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+
+from tileproof.reference import moe as rm
+
+NAN = float("nan")
+INF = float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def py_rank(row: list[float]) -> list[int]:
+    """Stable descending order: NaN first (by index), then larger values, ties by index."""
+
+    def key(e: int):
+        v = row[e]
+        return (0, 0.0, e) if math.isnan(v) else (1, -v, e)
+
+    return sorted(range(len(row)), key=key)
+
+
+def py_topk(scores: torch.Tensor, k: int) -> list[list[int]]:
+    return [py_rank(row)[:k] for row in scores.tolist()]
+
+
+def py_group_topk(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> list[list[int]]:
+    out = []
+    for groups in scores.tolist():
+        group_scores = []
+        for values in groups:
+            best = sorted(values, reverse=True)[:num_topk_sum]
+            group_scores.append(best[0] if num_topk_sum == 1 else f32(best[0] + best[1]))
+        out.append(py_rank(group_scores)[:num_topk_groups])
+    return out
+
+
+def py_normalize(weights: torch.Tensor) -> tuple[list[float], list[list[float]]]:
+    dens, rows = [], []
+    for row in weights.tolist():
+        den = f32(1e-20)
+        for w in row:
+            den = f32(den + w)
+        dens.append(den)
+        rows.append([f32(w / den) for w in row])
+    return dens, rows
+
+
+def py_group_count(idx: torch.Tensor, num_groups: int) -> list[int]:
+    counts = [0] * num_groups
+    for row in idx.tolist():
+        for g in row:
+            if g >= 0:
+                counts[g] += 1
+    return counts
+
+
+def py_aux_fi(idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> list[float]:
+    counts = py_group_count(idx, num_experts)
+    num_tokens = idx.shape[0]
+    if num_tokens == 0:
+        return [0.0] * num_experts
+    return [f32(f32(c * num_experts) / f32(num_tokens * num_aux_topk)) for c in counts]
+
+
+def py_mask_by_tp(idx: torch.Tensor, n: int, num_ep_ranks: int, tp_rank: int, num_tp_ranks: int) -> list[list[int]]:
+    """TileKernels' formulation, written out per element."""
+    per_gpu = n // num_ep_ranks
+    per_dp = num_tp_ranks * per_gpu
+    out = []
+    for row in idx.tolist():
+        new_row = []
+        for e in row:
+            if e < 0 or (e // per_gpu) % num_tp_ranks != tp_rank:
+                new_row.append(-1)
+                continue
+            v = e - tp_rank * per_gpu
+            dp = v // per_dp
+            new_row.append(v - dp * (per_dp - per_gpu))
+        out.append(new_row)
+    return out
+
+
+def py_unique(idx: torch.Tensor) -> list[list[int]]:
+    out = []
+    for row in idx.tolist():
+        seen, new_row = set(), []
+        for g in row:
+            if g >= 0 and g in seen:
+                new_row.append(-1)
+            else:
+                seen.add(g)
+                new_row.append(g)
+        out.append(new_row)
+    return out
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def random_scores(shape, seed: int, ties: bool = False) -> torch.Tensor:
+    if ties:  # few distinct values: many exact ties, including ±0
+        values = torch.tensor([-1.0, -0.0, 0.0, 0.5, 2.0], dtype=torch.float32)
+        return values[torch.randint(0, len(values), shape, generator=gen(seed))]
+    return torch.randn(shape, generator=gen(seed), dtype=torch.float32)
+
+
+def random_indices(num_tokens: int, k: int, high: int, seed: int, dtype=torch.int64, low: int = -1) -> torch.Tensor:
+    return torch.randint(low, high, (num_tokens, k), generator=gen(seed), dtype=dtype)
+
+
+def same_bits(a: torch.Tensor, b: list) -> bool:
+    expected = torch.tensor(b, dtype=a.dtype).reshape(a.shape)
+    if a.dtype.is_floating_point:
+        return torch.equal(a.view(torch.int32), expected.view(torch.int32))
+    return torch.equal(a, expected)
+
+
+TOKEN_COUNTS = (0, 1, 7, 33)
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_gate
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("num_experts,num_topk", [(1, 1), (16, 1), (16, 6), (16, 16), (72, 6), (256, 8)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_gate_matches_sorted(num_tokens, num_experts, num_topk, ties):
+    scores = random_scores((num_tokens, num_experts), seed=num_tokens * 1000 + num_experts, ties=ties)
+    out = rm.topk_gate(scores, num_topk)
+    assert out.dtype == torch.int64 and out.shape == (num_tokens, num_topk) and out.is_contiguous()
+    assert same_bits(out, py_topk(scores, num_topk))
+
+
+def test_topk_gate_tie_rules():
+    scores = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0, 3.0],
+            [0.0, -0.0, 0.0, -0.0, -1.0],
+            [-INF, -INF, -INF, 5.0, -INF],
+            [1.0, NAN, 2.0, NAN, INF],
+        ]
+    )
+    out = rm.topk_gate(scores, 5)
+    assert out.tolist() == [[1, 2, 4, 3, 0], [0, 1, 2, 3, 4], [3, 0, 1, 2, 4], [1, 3, 4, 2, 0]]
+
+
+def test_topk_gate_non_contiguous_input_and_determinism():
+    base = random_scores((64, 40), seed=5, ties=True)
+    view = base[:, ::2]
+    first = rm.topk_gate(view, 4)
+    assert same_bits(first, py_topk(view, 4))
+    assert torch.equal(first, rm.topk_gate(view.contiguous(), 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# topk_sum_and_topk_group_idx
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("num_groups,per_group,num_topk_groups", [(1, 2, 1), (8, 32, 4), (8, 4, 8), (4, 2, 1)])
+@pytest.mark.parametrize("num_topk_sum", [1, 2])
+@pytest.mark.parametrize("ties", [False, True])
+def test_group_topk_matches_loops(num_tokens, num_groups, per_group, num_topk_groups, num_topk_sum, ties):
+    scores = random_scores((num_tokens, num_groups, per_group), seed=num_tokens + 17 * num_groups, ties=ties)
+    out = rm.topk_sum_and_topk_group_idx(scores, num_topk_sum, num_topk_groups)
+    assert out.dtype == torch.int64 and out.shape == (num_tokens, num_topk_groups)
+    assert same_bits(out, py_group_topk(scores, num_topk_sum, num_topk_groups))
+
+
+def test_group_topk_repeated_maximum_counts_twice():
+    # group 0: top-2 sum 3 + 3 = 6; group 1: 5 + 0 = 5; top-1 would prefer group 1.
+    scores = torch.tensor([[[3.0, 3.0, 1.0], [5.0, 0.0, 0.0]]])
+    assert rm.topk_sum_and_topk_group_idx(scores, 2, 2).tolist() == [[0, 1]]
+    assert rm.topk_sum_and_topk_group_idx(scores, 1, 2).tolist() == [[1, 0]]
+
+
+def test_deepseek_v3_shape():
+    """256 experts in 8 groups of 32, 4 groups kept, top-8 inside them, 300 tokens."""
+    scores = torch.rand((300, 256), generator=gen(3), dtype=torch.float32)
+    groups = rm.topk_sum_and_topk_group_idx(scores.view(300, 8, 32), 2, 4)
+    assert same_bits(groups, py_group_topk(scores.view(300, 8, 32), 2, 4))
+    keep = torch.zeros(300, 8, dtype=torch.bool).scatter_(1, groups, True).repeat_interleave(32, dim=1)
+    topk = rm.topk_gate(scores.masked_fill(~keep, -INF), 8)
+    assert same_bits(topk, py_topk(scores.masked_fill(~keep, -INF), 8))
+    assert bool(((topk // 32).unsqueeze(-1) == groups.unsqueeze(1)).any(-1).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# normalize_weight
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("num_topk", [1, 2, 6, 9])
+def test_normalize_weight_bitwise(num_tokens, num_topk):
+    weights = torch.rand((num_tokens, num_topk), generator=gen(num_tokens * 10 + num_topk), dtype=torch.float32)
+    den, out = rm.normalize_weight(weights)
+    exp_den, exp_out = py_normalize(weights)
+    assert den.dtype == out.dtype == torch.float32 and den.shape == (num_tokens,) and out.shape == weights.shape
+    assert same_bits(den, exp_den) and same_bits(out, exp_out)
+
+
+def test_normalize_weight_zero_row_and_tiny():
+    weights = torch.tensor([[0.0, 0.0], [1e-30, 0.0], [1.0, 3.0]])
+    den, out = rm.normalize_weight(weights)
+    assert out[0].tolist() == [0.0, 0.0] and den[0].item() == f32(1e-20)
+    assert same_bits(den, py_normalize(weights)[0]) and same_bits(out, py_normalize(weights)[1])
+    assert out[2].tolist() == [0.25, 0.75]
+
+
+# ---------------------------------------------------------------------------------------------
+# group_count and aux_fi
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_group_count(num_tokens, dtype):
+    idx = random_indices(num_tokens, 6, 8, seed=num_tokens, dtype=dtype, low=-3)
+    out = rm.group_count(idx, 8)
+    assert out.dtype == torch.int32 and out.shape == (8,)
+    assert same_bits(out, py_group_count(idx, 8))
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("num_experts,num_topk,num_aux_topk", [(1, 1, 1), (72, 6, 6), (256, 8, 1), (256, 8, 8)])
+def test_aux_fi_bitwise(num_tokens, num_experts, num_topk, num_aux_topk):
+    idx = random_indices(num_tokens, num_topk, num_experts, seed=num_tokens + num_experts)
+    out = rm.aux_fi(idx, num_experts, num_aux_topk)
+    assert out.dtype == torch.float32 and out.shape == (num_experts,)
+    assert same_bits(out, py_aux_fi(idx, num_experts, num_aux_topk))
+
+
+def test_aux_fi_uniform_routing_is_one():
+    idx = torch.arange(64).reshape(16, 4)  # every expert of 64 chosen exactly once
+    assert rm.aux_fi(idx, 64, 4).tolist() == [1.0] * 64
+    assert rm.aux_fi(torch.empty(0, 4, dtype=torch.int64), 5, 4).tolist() == [0.0] * 5
+
+
+# ---------------------------------------------------------------------------------------------
+# mask_indices_by_tp and inplace_unique_group_indices
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize(
+    "num_experts,num_ep_ranks,num_tp_ranks", [(72, 8, 2), (256, 8, 4), (16, 1, 2), (72, 8, 8), (8, 6, 4)]
+)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_mask_indices_by_tp(num_tokens, num_experts, num_ep_ranks, num_tp_ranks, dtype):
+    n = num_experts * num_ep_ranks
+    idx = random_indices(num_tokens, 8, n, seed=num_tokens + n, dtype=dtype, low=-2)
+    for tp_rank in range(num_tp_ranks):
+        out = rm.mask_indices_by_tp(idx, n, num_ep_ranks, tp_rank, num_tp_ranks)
+        assert out.dtype == dtype and out.shape == idx.shape
+        assert same_bits(out, py_mask_by_tp(idx, n, num_ep_ranks, tp_rank, num_tp_ranks))
+
+
+def test_mask_indices_by_tp_partitions_experts():
+    """Across the TP ranks every expert is kept exactly once, and each rank's numbering is dense."""
+    n, num_ep_ranks, num_tp_ranks = 64, 8, 4
+    idx = torch.arange(n).reshape(1, n)
+    outs = [rm.mask_indices_by_tp(idx, n, num_ep_ranks, r, num_tp_ranks) for r in range(num_tp_ranks)]
+    kept = torch.stack([o >= 0 for o in outs]).sum(0)
+    assert kept.tolist() == [[1] * n]
+    for o in outs:
+        assert sorted(o[o >= 0].tolist()) == list(range(n // num_tp_ranks))
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("num_groups,num_topk", [(1, 1), (8, 4), (8, 8), (8, 12), (128, 9)])
+def test_inplace_unique_group_indices(num_tokens, num_groups, num_topk):
+    idx = random_indices(num_tokens, num_topk, num_groups, seed=num_tokens * 3 + num_groups, low=-2)
+    expected = py_unique(idx)
+    storage = idx.data_ptr()
+    out = rm.inplace_unique_group_indices(idx, num_groups)
+    assert out is idx and idx.data_ptr() == storage
+    assert same_bits(idx, expected)
+
+
+def test_inplace_unique_keeps_first_and_padding():
+    idx = torch.tensor([[3, 1, 3, 3, 1], [-2, -2, 0, -1, 0]], dtype=torch.int32)
+    rm.inplace_unique_group_indices(idx, 4)
+    assert idx.tolist() == [[3, 1, -1, -1, -1], [-2, -2, 0, -1, -1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: the same refusals, naming the argument
+# ---------------------------------------------------------------------------------------------
+
+S2 = torch.zeros(4, 8)
+S3 = torch.zeros(4, 4, 2)
+I2 = torch.zeros(4, 3, dtype=torch.int64)
+
+BAD_CALLS = [
+    ("topk_gate", (S2, 9), ValueError, "num_topk"),
+    ("topk_gate", (S2, 0), ValueError, "num_topk"),
+    ("topk_gate", (S2, -1), ValueError, "num_topk"),
+    ("topk_gate", (S2, 2.0), TypeError, "num_topk"),
+    ("topk_gate", (S2, True), TypeError, "num_topk"),
+    ("topk_gate", (S2.double(), 2), TypeError, "scores"),
+    ("topk_gate", (S2.bfloat16(), 2), TypeError, "scores"),
+    ("topk_gate", (S3, 2), ValueError, "scores"),
+    ("topk_gate", (S2.tolist(), 2), TypeError, "scores"),
+    ("topk_sum_and_topk_group_idx", (S3, 3, 2), ValueError, "num_topk_sum"),
+    ("topk_sum_and_topk_group_idx", (torch.zeros(4, 4, 3), 3, 2), ValueError, "num_topk_sum"),
+    ("topk_sum_and_topk_group_idx", (torch.zeros(4, 4, 1), 2, 2), ValueError, "num_topk_sum"),
+    ("topk_sum_and_topk_group_idx", (S3, 2, 5), ValueError, "num_topk_groups"),
+    ("topk_sum_and_topk_group_idx", (S3, 2, 0), ValueError, "num_topk_groups"),
+    ("topk_sum_and_topk_group_idx", (S2, 2, 2), ValueError, "scores"),
+    ("topk_sum_and_topk_group_idx", (S3.half(), 2, 2), TypeError, "scores"),
+    ("normalize_weight", (S2.double(),), TypeError, "topk_weights"),
+    ("normalize_weight", (S3,), ValueError, "topk_weights"),
+    ("group_count", (I2.float(), 4), TypeError, "group_idx"),
+    ("group_count", (I2[0], 4), ValueError, "group_idx"),
+    ("group_count", (I2 + 4, 4), ValueError, "group_idx"),
+    ("group_count", (I2, 0), ValueError, "num_groups"),
+    ("group_count", (I2, "4"), TypeError, "num_groups"),
+    ("aux_fi", (I2, 0, 1), ValueError, "num_experts"),
+    ("aux_fi", (I2, 4, 0), ValueError, "num_aux_topk"),
+    ("aux_fi", (I2 - 2, 4, 1), ValueError, "topk_idx"),
+    ("aux_fi", (I2 + 4, 4, 1), ValueError, "topk_idx"),
+    ("aux_fi", (I2.to(torch.int16), 4, 1), TypeError, "topk_idx"),
+    ("mask_indices_by_tp", (I2, 10, 4, 0, 2), ValueError, "n"),
+    ("mask_indices_by_tp", (I2, 8, 4, 2, 2), ValueError, "tp_rank"),
+    ("mask_indices_by_tp", (I2, 8, 4, -1, 2), ValueError, "tp_rank"),
+    ("mask_indices_by_tp", (I2, 8, 0, 0, 2), ValueError, "num_ep_ranks"),
+    ("mask_indices_by_tp", (I2, 8, 4, 0, 0), ValueError, "num_tp_ranks"),
+    ("mask_indices_by_tp", (I2 + 8, 8, 4, 0, 2), ValueError, "indices"),
+    ("mask_indices_by_tp", (I2.float(), 8, 4, 0, 2), TypeError, "indices"),
+    ("inplace_unique_group_indices", (I2 + 4, 4), ValueError, "group_indices"),
+    ("inplace_unique_group_indices", (I2, 0), ValueError, "num_groups"),
+    ("inplace_unique_group_indices", (I2.view(-1), 4), ValueError, "group_indices"),
+]
+
+
+@pytest.mark.parametrize(
+    "name,args,error,argument", BAD_CALLS, ids=[f"{c[0]}-{c[3]}-{i}" for i, c in enumerate(BAD_CALLS)]
+)
+def test_validation(name, args, error, argument):
+    with pytest.raises(error) as info:
+        getattr(rm, name)(*args)
+    assert str(info.value).startswith(f"{argument} ")
+
+
+def test_every_operator_is_deterministic():
+    scores = random_scores((257, 256), seed=11, ties=True)
+    idx = random_indices(257, 8, 256, seed=12)
+    weights = torch.rand((257, 8), generator=gen(13))
+    calls = [
+        lambda: rm.topk_gate(scores, 8),
+        lambda: rm.topk_sum_and_topk_group_idx(scores.view(257, 8, 32), 2, 4),
+        lambda: rm.normalize_weight(weights)[1].view(torch.int32),
+        lambda: rm.normalize_weight(weights)[0].view(torch.int32),
+        lambda: rm.group_count(idx, 256),
+        lambda: rm.aux_fi(idx, 256, 8).view(torch.int32),
+        lambda: rm.mask_indices_by_tp(idx, 256, 8, 1, 4),
+        lambda: rm.inplace_unique_group_indices(idx // 32, 8),
+    ]
+    for call in calls:
+        assert torch.equal(call(), call())
