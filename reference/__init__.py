@@ -1,5 +1,5 @@
 """Readable PyTorch twins of every operator: the executable specification (CPU and GPU)."""
 
-from . import engram, moe, quant, transpose
+from . import engram, mhc, moe, quant, quant_blocks, transpose
 
-__all__ = ["engram", "moe", "quant", "transpose"]
+__all__ = ["engram", "mhc", "moe", "quant", "quant_blocks", "transpose"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import struct
+from fractions import Fraction
 
 import pytest
 import torch
@@ -384,3 +385,221 @@ def test_every_operator_is_deterministic():
     ]
     for call in calls:
         assert torch.equal(call(), call())
+
+
+# ---------------------------------------------------------------------------------------------
+# get_fused_mapping
+# ---------------------------------------------------------------------------------------------
+
+
+def py_fused_mapping(idx: torch.Tensor, num_experts: int, alignment: int):
+    """Expert by expert, the (t, j) pairs in flat order, each segment padded with -1 to alignment."""
+    rows = idx.tolist()
+    k = idx.shape[1]
+    layout, starts = [], []
+    for e in range(num_experts):
+        starts.append(len(layout))
+        mine = [t * k + j for t, row in enumerate(rows) for j, v in enumerate(row) if v == e]
+        layout += [(e, f) for f in mine]
+        layout += [(-1, -1)] * (-len(mine) % alignment)
+    return layout, starts, len(layout)
+
+
+@pytest.mark.parametrize("num_tokens", (0, 1, 7, 33))
+@pytest.mark.parametrize("num_experts,num_topk", [(16, 1), (16, 8), (256, 1), (256, 8)])
+@pytest.mark.parametrize("alignment", (1, 4, 128))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_get_fused_mapping(num_tokens, num_experts, num_topk, alignment, dtype):
+    idx = random_indices(num_tokens, num_topk, num_experts, seed=num_tokens + num_experts, dtype=dtype)
+    layout, starts, used = py_fused_mapping(idx, num_experts, alignment)
+    p2e, p2t, p2tk, tk2p, start, end, sizes, size_list = rm.get_fused_mapping(idx, num_experts, 0, alignment)
+    for tensor in (p2e, p2t, p2tk, tk2p, start, end, sizes):
+        assert tensor.dtype == torch.int32
+    assert p2e.tolist() == [e for e, _ in layout]
+    assert p2tk.tolist() == [f for _, f in layout]
+    assert p2t.tolist() == [f // num_topk if f >= 0 else -1 for _, f in layout]
+    assert start.tolist() == starts and end.tolist() == starts[1:] + [used]
+    assert sizes.tolist() == size_list == [b - a for a, b in zip(starts, starts[1:] + [used], strict=True)]
+    assert all(s % alignment == 0 for s in size_list)
+    # every (t, j) with an expert lands exactly once, where token_topk_to_pos says
+    where = {f: p for p, (_, f) in enumerate(layout) if f >= 0}
+    flat = idx.reshape(-1).tolist()
+    assert tk2p.reshape(-1).tolist() == [where[f] if v >= 0 else -1 for f, v in enumerate(flat)]
+    assert len(where) == sum(v >= 0 for v in flat)
+
+
+def test_get_fused_mapping_sizes():
+    idx = torch.tensor([[2, 0], [0, -1], [2, 2]])
+    full = rm.get_fused_mapping(idx, 3, 0, 4)
+    assert full[0].tolist() == [0, 0, -1, -1, 2, 2, 2, -1] and full[7] == [4, 0, 4]
+    bigger = rm.get_fused_mapping(idx, 3, 12, 4)
+    assert bigger[0].tolist() == full[0].tolist() + [-1] * 4 and bigger[7] == []
+    assert torch.equal(bigger[3], full[3])
+    no_sync = rm.get_fused_mapping(idx, 3, 0, 4, force_no_sync=True)
+    assert no_sync[0].numel() == (6 + 3 * 3) // 4 * 4 and no_sync[7] == []
+    with pytest.raises(ValueError, match="^num_expanded_tokens "):
+        rm.get_fused_mapping(idx, 3, 7, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# expand_to_fused / reduce_fused
+# ---------------------------------------------------------------------------------------------
+
+
+def routed(num_tokens: int, num_experts: int, num_topk: int, alignment: int, seed: int):
+    scores = torch.rand(num_tokens, num_experts, generator=gen(seed))
+    idx = rm.topk_gate(scores, num_topk)
+    idx[torch.rand(num_tokens, num_topk, generator=gen(seed + 1)) < 0.2] = -1
+    return idx, rm.get_fused_mapping(idx, num_experts, 0, alignment)
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_expand_to_fused(num_tokens):
+    idx, (p2e, p2t, *_rest) = routed(num_tokens, 16, 4, 8, seed=5)
+    tk2p = _rest[1]
+    x = torch.randn(num_tokens, 64, generator=gen(6)).bfloat16()
+    sf = torch.rand(num_tokens, 2, generator=gen(7))
+    out = rm.expand_to_fused(x, tk2p, p2e)
+    assert out.dtype == torch.bfloat16 and out.shape == (p2e.numel(), 64)
+    for p, t in enumerate(p2t.tolist()):
+        expected = x[t] if t >= 0 else torch.zeros(64, dtype=torch.bfloat16)
+        assert torch.equal(out[p].view(torch.int16), expected.view(torch.int16))
+    for col_major in (False, True):
+        data, out_sf = rm.expand_to_fused_with_sf((x, sf), 32, tk2p, p2e, col_major)
+        assert torch.equal(data, out)
+        for p, t in enumerate(p2t.tolist()):
+            assert torch.equal(out_sf[p], sf[t] if t >= 0 else torch.zeros(2))
+
+
+def py_fma(a: float, b: float, c: float) -> float:
+    """fl32(a · b + c) with one rounding: the nearest fp32 to the exact rational (ties → even)."""
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    near = f32(float(exact))  # within one fp32 ulp of the answer (fp64 then fp32 may round twice)
+    bits = struct.unpack("<i", struct.pack("<f", near))[0]
+    candidates = [struct.unpack("<f", struct.pack("<i", bits + d))[0] for d in (-1, 0, 1)]
+    return min(candidates, key=lambda v: (abs(Fraction(v) - exact), struct.unpack("<i", struct.pack("<f", v))[0] & 1))
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("with_sf", [False, True])
+def test_reduce_fused_bitwise(num_tokens, with_sf):
+    idx, mapping = routed(num_tokens, 16, 4, 8, seed=9)
+    tk2p, num_positions = mapping[3], mapping[0].numel()
+    x = torch.randn(num_positions, 24, generator=gen(10)).bfloat16()
+    w = torch.rand(num_tokens, 4, generator=gen(11))
+    x_sf = torch.rand(num_positions, generator=gen(12)) + 0.5
+    sf = torch.tensor([0.75])
+    got = rm.reduce_fused((x, x_sf) if with_sf else x, w, tk2p, "", sf if with_sf else None)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, 24)
+    xs, ws, xsf = x.float().tolist(), w.tolist(), x_sf.tolist()
+    expected = []
+    for t, row in enumerate(tk2p.tolist()):
+        acc = [0.0] * 24
+        for j, p in enumerate(row):
+            if p < 0:
+                continue
+            s = f32(ws[t][j] * xsf[p]) if with_sf else ws[t][j]
+            acc = [py_fma(xs[p][h], s, acc[h]) for h in range(24)]
+        if with_sf:
+            acc = [f32(a * 0.75) for a in acc]
+        expected.append(acc)
+    assert torch.equal(got, torch.tensor(expected, dtype=torch.float32).reshape(num_tokens, 24).bfloat16())
+
+
+def test_fma_single_rounding():
+    # a·b + c = 1 + 2^-23 + 2^-24 - 2^-70: just below a midpoint. Rounding through fp64 lands on
+    # the midpoint and then ties up to 1 + 2^-22; a true fma rounds down to c = 1 + 2^-23.
+    a, b, c = 1.0 + 2.0**-23, 2.0**-24 - 2.0**-47, 1.0 + 2.0**-23
+    assert f32(a * b + c) == 1.0 + 2.0**-22
+    got = rm._fma_fp32(torch.tensor([a]), torch.tensor([b]), torch.tensor([c]))
+    assert got.item() == py_fma(a, b, c) == c
+
+
+def test_expand_reduce_round_trip():
+    idx, mapping = routed(65, 256, 8, 128, seed=13)
+    tk2p, p2e = mapping[3], mapping[0]
+    x = torch.randn(65, 128, generator=gen(14)).bfloat16()
+    weights = torch.rand(65, 8, generator=gen(15)) * (idx >= 0)
+    weights[:, 0] += (idx[:, 0] >= 0) * 1e-3  # no all-zero row with a valid slot
+    has_slot = (idx >= 0).any(dim=1)
+    _, normalized = rm.normalize_weight(weights)
+    back = rm.reduce_fused(rm.expand_to_fused(x, tk2p, p2e), normalized, tk2p)
+    torch.testing.assert_close(back[has_slot], x[has_slot], rtol=2**-7, atol=1e-6)
+    assert not back[~has_slot].any()
+
+
+def test_reduce_fused_fp8_not_yet():
+    with pytest.raises(NotImplementedError):
+        rm.reduce_fused(torch.zeros(4, 8), None, I2 * 0, "e4m3")
+
+
+# ---------------------------------------------------------------------------------------------
+# top2_sum_gate
+# ---------------------------------------------------------------------------------------------
+
+
+def py_router(logits, bias, num_topk, num_groups, num_topk_groups, factor):
+    """DeepSeek-V3 routing in plain Python: sigmoid, +bias, top-2 group sums, top-k, normalise."""
+    idx_rows, weight_rows = [], []
+    per_group = logits.shape[1] // num_groups
+    for row in logits.tolist():
+        s = [f32(1.0 / (1.0 + math.exp(-v))) for v in row]
+        r = [f32(a + b) for a, b in zip(s, bias.tolist(), strict=True)]
+        sums = []
+        for g in range(num_groups):
+            best = sorted(r[g * per_group : (g + 1) * per_group], reverse=True)
+            sums.append(f32(best[0] + best[1]))
+        kept = set(py_rank(sums)[:num_topk_groups])
+        candidates = [r[e] if e // per_group in kept else -INF for e in range(len(r))]
+        chosen = py_rank(candidates)[:num_topk]
+        den = f32(1e-20)
+        for e in chosen:
+            den = f32(den + s[e])
+        idx_rows.append(chosen)
+        weight_rows.append([f32(f32(s[e] / den) * f32(factor)) for e in chosen])
+    return idx_rows, weight_rows
+
+
+def test_top2_sum_gate_deepseek_v3():
+    logits = torch.randn(100, 256, generator=gen(21))
+    bias = torch.randn(256, generator=gen(22)) * 0.1
+    idx, weights = rm.top2_sum_gate(logits, bias, 8, 4, 8, False, 0, 2.5, 0, 1, 0, 1, "sigmoid")
+    want_idx, want_weights = py_router(logits, bias, 8, 8, 4, 2.5)
+    assert idx.dtype == torch.int64 and weights.dtype == torch.float32
+    assert idx.tolist() == want_idx
+    torch.testing.assert_close(weights, torch.tensor(want_weights), rtol=4e-7, atol=0)
+
+
+def test_top2_sum_gate_mask_shared_and_ranks():
+    logits = torch.randn(6, 16, generator=gen(23))
+    bias = torch.zeros(16)
+    mask = torch.tensor([True, False, True, True, True, True])
+    # identity physical map with one extra slot, so that the shared expert (16) has a home
+    phys = torch.tensor([[e, e] for e in range(17)], dtype=torch.int32)
+    count = torch.ones(17, dtype=torch.int32)
+    args = (4, 0, 0, True, 1, 1.0, 0, 1, 0, 1, "softmax", mask, phys, count)
+    idx, weights = rm.top2_sum_gate(logits, bias, *args)
+    assert idx.shape == (6, 5) and idx[1].tolist() == [-1] * 5 and weights[1].tolist() == [0.0] * 5
+    assert idx[0, 4].item() == 16 and weights[0, 4].item() == 1.0
+    assert idx[0, :4].tolist() == torch.topk(logits[0], 4).indices.tolist()
+    torch.testing.assert_close(weights[0, :4].sum(), torch.tensor(1.0))
+    # EP = 1, TP = 1 keeps everything; EP = 17 ranks, TP = 17: only experts of rank tp_rank survive
+    tp_idx, _ = rm.top2_sum_gate(logits, bias, 4, 0, 0, True, 1, 1.0, 0, 17, 3, 17, "softmax", mask, phys, count)
+    assert set(tp_idx[mask].reshape(-1).tolist()) <= {-1, 0}
+    assert ((tp_idx == 0) == (idx == 3)).all()
+    with pytest.raises(ValueError, match="^num_shared_experts "):
+        rm.top2_sum_gate(logits, bias, 4, 0, 0, True, 1, 1.0, 0, 1, 0, 1, "sigmoid")
+    with pytest.raises(ValueError, match="^scoring_func "):
+        rm.top2_sum_gate(logits, bias, 4, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "identity")
+
+
+@pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus", "softmax"])
+def test_top2_sum_gate_empty_and_sqrtsoftplus(scoring_func):
+    logits = torch.tensor([[30.0, 21.0, -3.0, 0.5]])
+    idx, weights = rm.top2_sum_gate(logits, torch.zeros(4), 2, 0, 0, False, 0, 1.0, 0, 1, 0, 1, scoring_func)
+    assert idx.tolist() == [[0, 1]]
+    if scoring_func == "sqrtsoftplus":  # softplus(x) = x above 20
+        s0, s1 = f32(math.sqrt(30.0)), f32(math.sqrt(21.0))
+        torch.testing.assert_close(weights, torch.tensor([[s0 / (s0 + s1), s1 / (s0 + s1)]]))
+    empty = rm.top2_sum_gate(torch.zeros(0, 4), torch.zeros(4), 2, 0, 0, False, 0, 1.0, 0, 1, 0, 1, scoring_func)
+    assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)

@@ -1,0 +1,565 @@
+"""Reference twin of the mHC family (contract §5): the executable specification.
+
+Manifold-constrained HyperConnection keeps ``n`` residual streams ``X [T, n, C]`` (bf16; n = 4 in
+DeepSeek's models) and mixes them around each sublayer with per-token coefficients computed from
+the flattened stream. Full math and sources: ``engram-mhc-math.md`` §A.
+
+Rules of this twin:
+
+- **Layout.** Tokens are flattened to one leading dimension ``T`` (TileKernels carries
+  ``[batch, seq, ...]``; the arithmetic is per token, so the two agree after a reshape). Per-token
+  coefficients: ``pre, post [T, n]``, ``comb [T, n, n]`` indexed ``[i = source, o = destination]``.
+  Mixes order ``[pre n | post n | comb n²]``, comb row-major: column ``2n + i·n + o`` is ``comb[i, o]``.
+- **Numerics.** Streams are stored in bf16, coefficients in fp32. All arithmetic happens in the
+  *math dtype* (fp32; fp64 when the ``*_math`` helpers are called with fp64 tensors, which the tests
+  use to prove each explicit backward by gradcheck). Stored bf16 outputs are rounded once, at the end,
+  to nearest even. Reductions accumulate in the math dtype.
+- **Sinkhorn.** ``P = softmax_o(L) + eps`` (max-subtracted softmax), ``P /= Σ_i P + eps``, then
+  ``repeat − 1`` times ``P /= Σ_o P + eps``; ``P /= Σ_i P + eps``. The last step normalises over the
+  source ``i``, so every column ``Σ_i comb[i, o]`` is 1 up to ``eps``. The backward recomputes the
+  iterations from ``L`` (nothing is stored) and walks each step ``Y = P / (S + eps)`` in reverse:
+  ``dP = (dY − Σ_a(dY⊙P) / (S + eps)) / (S + eps)``; then ``dL = (dQ − Σ_o dQ⊙Q)⊙Q`` with ``Q``
+  the softmax *before* ``+ eps``.
+- **Split.** ``z = scale ⊙ mixes + base`` (scale[0] over pre, [1] over post, [2] over comb);
+  ``pre = σ(z_pre) + pre_eps``, ``post = post_mult·σ(z_post)``, ``comb = z_comb`` viewed ``[n, n]``.
+- **Apply / post.** ``layer_in[c] = Σ_i pre_i X[i, c]``; ``X'[o, c] = post_o y[c] + Σ_i comb[i, o] X[i, c]``
+  (comb transposed: the sum runs over the *source* index).
+- **Norm-fn.** ``mixes = (x @ fnᵀ) · rsqrt(Σx² / (nC) + eps)``, x the flattened stream in fp32, the
+  norm weight (if any) folded as ``fn ⊙ γ``. The reference multiplies in full fp32; the optimized
+  kernel rounds fn to TF32 for the tensor core. That is a documented tolerance, not a rule: see
+  ``docs/mhc.md``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum, rearrange, reduce
+
+from .contract import check_tensor
+
+__all__ = [
+    "sinkhorn_normalize",
+    "sinkhorn_normalize_bwd",
+    "mhc_pre_split_mixes",
+    "mhc_pre_split_mixes_bwd",
+    "mhc_pre_apply_mix",
+    "mhc_pre_apply_mix_bwd",
+    "mhc_post",
+    "mhc_post_bwd",
+    "expand_to_mhc",
+    "expand_to_mhc_bwd",
+    "mhc_head_compute_mix",
+    "mhc_head_compute_mix_bwd",
+    "mhc_pre_norm_fn",
+    "mhc_pre_norm_fn_bwd",
+    "sinkhorn_forward_math",
+    "sinkhorn_backward_math",
+    "split_mixes_forward_math",
+    "split_mixes_backward_math",
+    "apply_mix_forward_math",
+    "apply_mix_backward_math",
+    "post_forward_math",
+    "post_backward_math",
+    "head_mix_forward_math",
+    "head_mix_backward_math",
+    "norm_fn_forward_math",
+    "norm_fn_backward_math",
+]
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def _check_float(name: str, value, *, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
+    return float(value)
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_square(name: str, comb: torch.Tensor) -> int:
+    check_tensor(name, comb, dtypes=(F32,), ndim=3)
+    if comb.shape[1] != comb.shape[2]:
+        raise ValueError(f"{name} must be [T, n, n], got shape {tuple(comb.shape)}")
+    return comb.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sinkhorn
+# ---------------------------------------------------------------------------------------------
+
+# Axis of each normalisation step on a [T, i, o] tensor: -1 sums over o (rows), -2 over i (columns).
+_ROWS, _COLUMNS = -1, -2
+
+
+def _sinkhorn_axes(repeat: int) -> list[int]:
+    """The 2·repeat − 1 normalisation steps after the softmax: columns, then (rows, columns) × (repeat − 1)."""
+    return [_COLUMNS] + [_ROWS, _COLUMNS] * (repeat - 1)
+
+
+def sinkhorn_forward_math(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """Sinkhorn-Knopp from ``softmax_o(logits)``, in the dtype of ``logits`` ``[T, n, n]``."""
+    p = torch.softmax(logits, dim=-1) + eps
+    for axis in _sinkhorn_axes(repeat):
+        p = p / (p.sum(axis, keepdim=True) + eps)
+    return p
+
+
+def sinkhorn_backward_math(grad: torch.Tensor, logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """Explicit Sinkhorn backward: recompute every pre-normalisation state, then walk them in reverse."""
+    q = torch.softmax(logits, dim=-1)
+    states = []  # (P before the step, S + eps, axis): the 2R − 1 steps' inputs
+    p = q + eps
+    for axis in _sinkhorn_axes(repeat):
+        denominator = p.sum(axis, keepdim=True) + eps
+        states.append((p, denominator, axis))
+        p = p / denominator
+
+    dp = grad
+    for p, denominator, axis in reversed(states):
+        # Y = P / (S + eps), S = Σ_axis P  →  dP = (dY − Σ_axis(dY⊙P) / (S + eps)) / (S + eps)
+        dp = (dp - (dp * p).sum(axis, keepdim=True) / denominator) / denominator
+    dq = dp  # + eps has unit derivative
+    return (dq - (dq * q).sum(-1, keepdim=True)) * q  # softmax over o
+
+
+def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
+    """Project the comb logits onto (approximately) doubly stochastic matrices.
+
+    Args:
+        comb_res_mix: fp32 ``[T, n, n]`` logits ``L[t, i, o]`` (i = source, o = destination).
+        repeat: Sinkhorn iterations R >= 1 (TileKernels' default 10; DeepSeek's models use 20).
+        eps: finite, >= 0; added after the softmax and to every sum.
+
+    Returns:
+        fp32 ``[T, n, n]`` contiguous; its columns ``Σ_i comb[:, i, o]`` are 1 up to eps.
+    """
+    _check_square("comb_res_mix", comb_res_mix)
+    repeat = _check_positive_int("repeat", repeat)
+    eps = _check_float("eps", eps)
+    return sinkhorn_forward_math(comb_res_mix, repeat, eps).contiguous()
+
+
+def sinkhorn_normalize_bwd(
+    grad_output: torch.Tensor, comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6
+) -> torch.Tensor:
+    """Gradient of ``sinkhorn_normalize`` w.r.t. its logits, recomputing the iterations.
+
+    Args:
+        grad_output: fp32 ``[T, n, n]``, the gradient of the normalised matrix.
+        comb_res_mix: fp32 ``[T, n, n]``, the forward's logits (the only saved tensor).
+        repeat, eps: as in the forward.
+
+    Returns:
+        fp32 ``[T, n, n]`` contiguous, the gradient of the logits.
+    """
+    n = _check_square("comb_res_mix", comb_res_mix)
+    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
+    _check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
+    repeat = _check_positive_int("repeat", repeat)
+    eps = _check_float("eps", eps)
+    return sinkhorn_backward_math(grad_output, comb_res_mix, repeat, eps).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Split mixes
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_scale(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """``[3] → [n² + 2n]``: scale[0] over the pre columns, [1] over post, [2] over comb."""
+    return torch.cat([scale[0:1].expand(n), scale[1:2].expand(n), scale[2:3].expand(n * n)])
+
+
+def split_mixes_forward_math(mixes, scale, base, n: int, post_mult: float, pre_eps: float):
+    """``(pre [T, n], post [T, n], comb [T, n, n])`` in the dtype of ``mixes [T, n² + 2n]``."""
+    z = mixes * _group_scale(scale, n) + base
+    pre = torch.sigmoid(z[:, :n]) + pre_eps
+    post = post_mult * torch.sigmoid(z[:, n : 2 * n])
+    comb = rearrange(z[:, 2 * n :], "t (i o) -> t i o", i=n)
+    return pre, post, comb
+
+
+def split_mixes_backward_math(grad_pre, grad_post, grad_comb, mixes, scale, base, n: int, post_mult: float):
+    """``(dmixes [T, n² + 2n], dscale [3], dbase [n² + 2n])``; σ is recomputed from the inputs."""
+    z = mixes * _group_scale(scale, n) + base
+    sig_pre = torch.sigmoid(z[:, :n])  # without pre_eps
+    sig_post = torch.sigmoid(z[:, n : 2 * n])
+    dz = torch.cat(
+        [
+            grad_pre * sig_pre * (1 - sig_pre),
+            grad_post * post_mult * sig_post * (1 - sig_post),
+            rearrange(grad_comb, "t i o -> t (i o)"),
+        ],
+        dim=1,
+    )
+    dmixes = dz * _group_scale(scale, n)
+    per_column = reduce(dz * mixes, "t j -> j", "sum")
+    dscale = torch.stack([per_column[:n].sum(), per_column[n : 2 * n].sum(), per_column[2 * n :].sum()])
+    dbase = reduce(dz, "t j -> j", "sum")
+    return dmixes, dscale, dbase
+
+
+def _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult) -> int:
+    n = _check_positive_int("mhc_mult", mhc_mult)
+    check_tensor("input_mixes", input_mixes, dtypes=(F32,), ndim=2)
+    _check_shape("input_mixes", input_mixes, (input_mixes.shape[0], n * n + 2 * n))
+    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_scale", mhc_scale, (3,))
+    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_base", mhc_base, (n * n + 2 * n,))
+    return n
+
+
+def mhc_pre_split_mixes(
+    input_mixes: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    mhc_mult: int,
+    mhc_post_mult_value: float,
+    mhc_pre_eps: float,
+):
+    """Split the normed mixes into the pre weights, post weights and comb logits.
+
+    Args:
+        input_mixes: fp32 ``[T, n² + 2n]``, ordered ``[pre | post | comb]``.
+        mhc_scale: fp32 ``[3]`` (α_pre, α_post, α_res). mhc_base: fp32 ``[n² + 2n]``.
+        mhc_mult: n. mhc_post_mult_value: the post multiplier (the paper uses 2.0).
+        mhc_pre_eps: added to the pre weights.
+
+    Returns:
+        ``(pre fp32 [T, n], post fp32 [T, n], comb fp32 [T, n, n])``, contiguous; comb is the
+        Sinkhorn input (logits).
+    """
+    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    post_mult = _check_float("mhc_post_mult_value", mhc_post_mult_value)
+    pre_eps = _check_float("mhc_pre_eps", mhc_pre_eps)
+    pre, post, comb = split_mixes_forward_math(input_mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
+    return pre.contiguous(), post.contiguous(), comb.contiguous()
+
+
+def mhc_pre_split_mixes_bwd(
+    grad_pre: torch.Tensor,
+    grad_post: torch.Tensor,
+    grad_comb: torch.Tensor,
+    input_mixes: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    mhc_mult: int,
+    mhc_post_mult_value: float,
+):
+    """Explicit backward of ``mhc_pre_split_mixes`` (``pre_eps`` has no derivative).
+
+    Returns:
+        ``(dmixes fp32 [T, n² + 2n], dscale fp32 [3], dbase fp32 [n² + 2n])``; the parameter
+        gradients are summed over tokens.
+    """
+    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    tokens = input_mixes.shape[0]
+    for name, value, shape in (
+        ("grad_pre", grad_pre, (tokens, n)),
+        ("grad_post", grad_post, (tokens, n)),
+        ("grad_comb", grad_comb, (tokens, n, n)),
+    ):
+        check_tensor(name, value, dtypes=(F32,), ndim=len(shape))
+        _check_shape(name, value, shape)
+    post_mult = _check_float("mhc_post_mult_value", mhc_post_mult_value)
+    out = split_mixes_backward_math(grad_pre, grad_post, grad_comb, input_mixes, mhc_scale, mhc_base, n, post_mult)
+    return tuple(t.contiguous() for t in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-apply and post
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_mix_forward_math(residual, mix):
+    """``layer_in[t, c] = Σ_i mix[t, i] · X[t, i, c]`` in the math dtype."""
+    return einsum(mix, residual, "t i, t i c -> t c")
+
+
+def apply_mix_backward_math(grad, residual, mix):
+    """``(dX [T, n, C] = mix_i · g, dmix [T, n] = Σ_c g · X_i)`` in the math dtype."""
+    d_residual = einsum(mix, grad, "t i, t c -> t i c")
+    d_mix = einsum(grad, residual, "t c, t i c -> t i")
+    return d_residual, d_mix
+
+
+def post_forward_math(x, residual, post, comb):
+    """``X'[t, o, c] = post[t, o]·y[t, c] + Σ_i comb[t, i, o]·X[t, i, c]`` in the math dtype."""
+    return einsum(post, x, "t o, t c -> t o c") + einsum(comb, residual, "t i o, t i c -> t o c")
+
+
+def post_backward_math(grad, x, residual, post, comb):
+    """``(dy [T, C], dX [T, n, C], dpost [T, n], dcomb [T, n, n])`` in the math dtype."""
+    d_x = einsum(post, grad, "t o, t o c -> t c")
+    d_residual = einsum(comb, grad, "t i o, t o c -> t i c")
+    d_post = einsum(x, grad, "t c, t o c -> t o")
+    d_comb = einsum(residual, grad, "t i c, t o c -> t i o")
+    return d_x, d_residual, d_post, d_comb
+
+
+def _check_residual(name: str, residual) -> tuple[int, int, int]:
+    check_tensor(name, residual, dtypes=(BF16,), ndim=3)
+    return tuple(residual.shape)
+
+
+def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """Mix the n streams into the sublayer input.
+
+    Args:
+        x: bf16 ``[T, n, C]``, the residual streams.
+        mix: fp32 ``[T, n]``, the pre weights.
+
+    Returns:
+        bf16 ``[T, C]`` contiguous: ``Σ_i mix_i · X[i]`` in fp32, rounded once.
+    """
+    tokens, n, _ = _check_residual("x", x)
+    check_tensor("mix", mix, dtypes=(F32,), ndim=2)
+    _check_shape("mix", mix, (tokens, n))
+    return apply_mix_forward_math(x.to(F32), mix).to(BF16).contiguous()
+
+
+def mhc_pre_apply_mix_bwd(grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor):
+    """Explicit backward of ``mhc_pre_apply_mix``.
+
+    Args:
+        grad_output: bf16 ``[T, C]``. x, mix: the forward's inputs.
+
+    Returns:
+        ``(dx bf16 [T, n, C], dmix fp32 [T, n])``, contiguous; fp32 math.
+    """
+    tokens, n, hidden = _check_residual("x", x)
+    check_tensor("mix", mix, dtypes=(F32,), ndim=2)
+    _check_shape("mix", mix, (tokens, n))
+    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=2)
+    _check_shape("grad_output", grad_output, (tokens, hidden))
+    d_residual, d_mix = apply_mix_backward_math(grad_output.to(F32), x.to(F32), mix)
+    return d_residual.to(BF16).contiguous(), d_mix.contiguous()
+
+
+def _check_post_inputs(x, residual, post_layer_mix, comb_res_mix) -> tuple[int, int, int]:
+    tokens, n, hidden = _check_residual("residual", residual)
+    check_tensor("x", x, dtypes=(BF16,), ndim=2)
+    _check_shape("x", x, (tokens, hidden))
+    check_tensor("post_layer_mix", post_layer_mix, dtypes=(F32,), ndim=2)
+    _check_shape("post_layer_mix", post_layer_mix, (tokens, n))
+    check_tensor("comb_res_mix", comb_res_mix, dtypes=(F32,), ndim=3)
+    _check_shape("comb_res_mix", comb_res_mix, (tokens, n, n))
+    return tokens, n, hidden
+
+
+def mhc_post(
+    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor
+) -> torch.Tensor:
+    """Write the sublayer output back into the streams and mix the residual.
+
+    Args:
+        x: bf16 ``[T, C]``, the sublayer output y.
+        residual: bf16 ``[T, n, C]``, the streams X.
+        post_layer_mix: fp32 ``[T, n]``. comb_res_mix: fp32 ``[T, n, n]`` (after Sinkhorn), [source, destination].
+
+    Returns:
+        bf16 ``[T, n, C]`` contiguous: ``post_o·y + Σ_i comb[i, o]·X[i]`` in fp32, rounded once.
+    """
+    _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    return post_forward_math(x.to(F32), residual.to(F32), post_layer_mix, comb_res_mix).to(BF16).contiguous()
+
+
+def mhc_post_bwd(
+    grad_output: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_layer_mix: torch.Tensor,
+    comb_res_mix: torch.Tensor,
+):
+    """Explicit backward of ``mhc_post``.
+
+    Args:
+        grad_output: bf16 ``[T, n, C]``. The rest: the forward's inputs.
+
+    Returns:
+        ``(dx bf16 [T, C], dresidual bf16 [T, n, C], dpost fp32 [T, n], dcomb fp32 [T, n, n])``,
+        contiguous; fp32 math, bf16 outputs rounded once.
+    """
+    tokens, n, hidden = _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
+    _check_shape("grad_output", grad_output, (tokens, n, hidden))
+    d_x, d_residual, d_post, d_comb = post_backward_math(
+        grad_output.to(F32), x.to(F32), residual.to(F32), post_layer_mix, comb_res_mix
+    )
+    return d_x.to(BF16).contiguous(), d_residual.to(BF16).contiguous(), d_post.contiguous(), d_comb.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Expand
+# ---------------------------------------------------------------------------------------------
+
+
+def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int) -> torch.Tensor:
+    """Copy the hidden state into every stream: bf16 ``[T, C] → [T, n, C]`` contiguous (exact)."""
+    check_tensor("hidden", hidden, dtypes=(BF16,), ndim=2)
+    n = _check_positive_int("mhc_mult", mhc_mult)
+    return rearrange(hidden, "t c -> t 1 c").expand(-1, n, -1).contiguous()
+
+
+def expand_to_mhc_bwd(grad_output: torch.Tensor) -> torch.Tensor:
+    """Sum the streams' gradients: bf16 ``[T, n, C] → [T, C]``, fp32 accumulate, rounded once."""
+    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
+    return reduce(grad_output.to(F32), "t i c -> t c", "sum").to(BF16).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Head mix
+# ---------------------------------------------------------------------------------------------
+
+
+def head_mix_forward_math(mix, scale, base, pre_eps: float):
+    """``σ(scale·mix + base) + pre_eps`` in the math dtype; mix ``[T, n]``, scale ``[1]``, base ``[n]``."""
+    return torch.sigmoid(mix * scale + base) + pre_eps
+
+
+def head_mix_backward_math(grad, mix, scale, base):
+    """``(dmix [T, n], dscale [1], dbase [n])``; σ recomputed without pre_eps."""
+    sig = torch.sigmoid(mix * scale + base)
+    dz = grad * sig * (1 - sig)
+    return dz * scale, reduce(dz * mix, "t i -> 1", "sum"), reduce(dz, "t i -> i", "sum")
+
+
+def _check_head_inputs(input_mix, mhc_scale, mhc_base) -> tuple[int, int]:
+    check_tensor("input_mix", input_mix, dtypes=(F32,), ndim=2)
+    tokens, n = input_mix.shape
+    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_scale", mhc_scale, (1,))
+    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_base", mhc_base, (n,))
+    return tokens, n
+
+
+def mhc_head_compute_mix(
+    input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor, mhc_pre_eps: float
+) -> torch.Tensor:
+    """Head weights before the LM head: fp32 ``[T, n]`` ``σ(s·m + b) + pre_eps``.
+
+    Args:
+        input_mix: fp32 ``[T, n]`` (the first n normed mixes). mhc_scale: fp32 ``[1]``. mhc_base: fp32 ``[n]``.
+    """
+    _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    pre_eps = _check_float("mhc_pre_eps", mhc_pre_eps)
+    return head_mix_forward_math(input_mix, mhc_scale, mhc_base, pre_eps).contiguous()
+
+
+def mhc_head_compute_mix_bwd(
+    grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
+):
+    """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
+    tokens, n = _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
+    _check_shape("grad_output", grad_output, (tokens, n))
+    return tuple(t.contiguous() for t in head_mix_backward_math(grad_output, input_mix, mhc_scale, mhc_base))
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm-fn
+# ---------------------------------------------------------------------------------------------
+
+
+def norm_fn_forward_math(x, fn, eps: float):
+    """``mixes [T, m] = (x @ fnᵀ) · rsqrt(Σx² / K + eps)``; x ``[T, K]`` flattened, fn ``[m, K]`` (γ folded)."""
+    width = x.shape[1]
+    mul = einsum(x, fn, "t k, m k -> t m")
+    rstd = torch.rsqrt(reduce(x * x, "t k -> t 1", "sum") / width + eps)
+    return mul * rstd
+
+
+def norm_fn_backward_math(grad, x, fn, eps: float):
+    """``(dx [T, K], dfn [m, K])``: ``dmul = r·g``, ``dsq = −½(Σ_j g_j mul_j)·r / (sq + eps·K)``,
+    ``dx = fnᵀ dmul + 2·dsq·x``, ``dfn = Σ_t dmul ⊗ x``."""
+    width = x.shape[1]
+    sq = reduce(x * x, "t k -> t 1", "sum")
+    rstd = torch.rsqrt(sq / width + eps)
+    mul = einsum(x, fn, "t k, m k -> t m")
+    d_mul = grad * rstd
+    d_sq = -0.5 * reduce(grad * mul, "t m -> t 1", "sum") * rstd / (sq + eps * width)
+    d_x = einsum(d_mul, fn, "t m, m k -> t k") + 2 * d_sq * x
+    d_fn = einsum(d_mul, x, "t m, t k -> m k")
+    return d_x, d_fn
+
+
+def _check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]:
+    tokens, n, hidden = _check_residual("residual", residual)
+    check_tensor("mhc_fn", mhc_fn, dtypes=(F32,), ndim=2)
+    _check_shape("mhc_fn", mhc_fn, (mhc_fn.shape[0], n * hidden))
+    if mhc_norm_weight is not None:
+        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
+        _check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+    return tokens, n, hidden
+
+
+def mhc_pre_norm_fn(
+    residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None, mhc_norm_eps: float
+) -> torch.Tensor:
+    """RMS-normalised projection of the flattened streams onto the mixes.
+
+    Args:
+        residual: bf16 ``[T, n, C]``. mhc_fn: fp32 ``[m, nC]`` (m = n² + 2n, or n for the head).
+        mhc_norm_weight: fp32 ``[nC]`` or None, folded as ``fn ⊙ γ``. mhc_norm_eps: finite, >= 0.
+
+    Returns:
+        fp32 ``[T, m]`` contiguous, computed in full fp32 (see the module docstring on TF32).
+    """
+    _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    eps = _check_float("mhc_norm_eps", mhc_norm_eps)
+    fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
+    x = rearrange(residual.to(F32), "t i c -> t (i c)")
+    return norm_fn_forward_math(x, fn, eps).contiguous()
+
+
+def mhc_pre_norm_fn_bwd(
+    grad_output: torch.Tensor,
+    residual: torch.Tensor,
+    mhc_fn: torch.Tensor,
+    mhc_norm_weight: torch.Tensor | None,
+    mhc_norm_eps: float,
+):
+    """Explicit backward of ``mhc_pre_norm_fn``.
+
+    Returns:
+        ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC], dnorm_weight fp32 [nC] or None)``. dresidual
+        stays fp32: the caller adds it to the post and pre-apply gradients of the same residual.
+    """
+    tokens, n, hidden = _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
+    _check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
+    eps = _check_float("mhc_norm_eps", mhc_norm_eps)
+    fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
+    x = rearrange(residual.to(F32), "t i c -> t (i c)")
+    d_x, d_fn_folded = norm_fn_backward_math(grad_output, x, fn, eps)
+    d_residual = rearrange(d_x, "t (i c) -> t i c", i=n).contiguous()
+    if mhc_norm_weight is None:
+        return d_residual, d_fn_folded.contiguous(), None
+    d_fn = d_fn_folded * mhc_norm_weight
+    d_weight = reduce(d_fn_folded * mhc_fn, "m k -> k", "sum")
+    return d_residual, d_fn.contiguous(), d_weight.contiguous()
