@@ -8,6 +8,7 @@ the same inputs with the same messages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,16 @@ def check_tensor(name: str, value, *, dtypes=None, ndim: int | None = None) -> t
     if ndim is not None and value.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
     return value
+
+
+def check_nonnegative_float(name: str, value, *, allow_zero: bool = True) -> float:
+    """A finite Python number ``>= 0`` (``> 0`` when ``allow_zero`` is False), returned as float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
+    return float(value)
 
 
 def check_choice(name: str, value, allowed) -> None:

@@ -34,12 +34,10 @@ Rules of this twin:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from einops import einsum, rearrange, reduce
 
-from .contract import ceil_div, check_tensor
+from .contract import ceil_div, check_nonnegative_float, check_tensor
 
 __all__ = [
     "engram_hash",
@@ -70,15 +68,6 @@ def _check_unit_last_stride(name: str, value: torch.Tensor) -> None:
             f"{name} must have unit stride in its last dimension (other strides are free), "
             f"got strides {tuple(value.stride())}"
         )
-
-
-def _check_positive_float(name: str, value, *, allow_zero: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
-    return float(value)
 
 
 def _check_gate_inputs(x, k, v, w) -> tuple[int, int, int]:
@@ -263,8 +252,8 @@ def engram_gate_fwd(
         ``rstd_k``: fp32 ``[T, n]`` contiguous.
     """
     _check_gate_inputs(x, k, v, w)
-    eps = _check_positive_float("eps", eps, allow_zero=True)
-    clamp_value = _check_positive_float("clamp_value", clamp_value, allow_zero=False)
+    eps = check_nonnegative_float("eps", eps, allow_zero=True)
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if not isinstance(save_for_backward, bool):
         raise TypeError(f"save_for_backward must be a bool, got {type(save_for_backward).__name__}")
 
@@ -312,7 +301,7 @@ def engram_gate_bwd(
     for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
         _check_shape(name, value, (tokens, streams))
-    clamp_value = _check_positive_float("clamp_value", clamp_value, allow_zero=False)
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
         raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
 

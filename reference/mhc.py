@@ -32,12 +32,10 @@ Rules of this twin:
 
 from __future__ import annotations
 
-import math
-
 import torch
 from einops import einsum, rearrange, reduce
 
-from .contract import check_tensor
+from .contract import check_nonnegative_float, check_tensor
 
 __all__ = [
     "sinkhorn_normalize",
@@ -80,15 +78,6 @@ BF16 = torch.bfloat16
 def _check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(value.shape) != tuple(expected):
         raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
-
-
-def _check_float(name: str, value, *, allow_zero: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite float {bound}, got {value!r}")
-    return float(value)
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -158,7 +147,7 @@ def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float 
     """
     _check_square("comb_res_mix", comb_res_mix)
     repeat = _check_positive_int("repeat", repeat)
-    eps = _check_float("eps", eps)
+    eps = check_nonnegative_float("eps", eps)
     return sinkhorn_forward_math(comb_res_mix, repeat, eps).contiguous()
 
 
@@ -179,7 +168,7 @@ def sinkhorn_normalize_bwd(
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
     _check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
     repeat = _check_positive_int("repeat", repeat)
-    eps = _check_float("eps", eps)
+    eps = check_nonnegative_float("eps", eps)
     return sinkhorn_backward_math(grad_output, comb_res_mix, repeat, eps).contiguous()
 
 
@@ -254,8 +243,8 @@ def mhc_pre_split_mixes(
         Sinkhorn input (logits).
     """
     n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
-    post_mult = _check_float("mhc_post_mult_value", mhc_post_mult_value)
-    pre_eps = _check_float("mhc_pre_eps", mhc_pre_eps)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     pre, post, comb = split_mixes_forward_math(input_mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
     return pre.contiguous(), post.contiguous(), comb.contiguous()
 
@@ -285,7 +274,7 @@ def mhc_pre_split_mixes_bwd(
     ):
         check_tensor(name, value, dtypes=(F32,), ndim=len(shape))
         _check_shape(name, value, shape)
-    post_mult = _check_float("mhc_post_mult_value", mhc_post_mult_value)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
     out = split_mixes_backward_math(grad_pre, grad_post, grad_comb, input_mixes, mhc_scale, mhc_base, n, post_mult)
     return tuple(t.contiguous() for t in out)
 
@@ -467,7 +456,7 @@ def mhc_head_compute_mix(
         input_mix: fp32 ``[T, n]`` (the first n normed mixes). mhc_scale: fp32 ``[1]``. mhc_base: fp32 ``[n]``.
     """
     _check_head_inputs(input_mix, mhc_scale, mhc_base)
-    pre_eps = _check_float("mhc_pre_eps", mhc_pre_eps)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     return head_mix_forward_math(input_mix, mhc_scale, mhc_base, pre_eps).contiguous()
 
 
@@ -531,7 +520,7 @@ def mhc_pre_norm_fn(
         fp32 ``[T, m]`` contiguous, computed in full fp32 (see the module docstring on TF32).
     """
     _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
-    eps = _check_float("mhc_norm_eps", mhc_norm_eps)
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
     return norm_fn_forward_math(x, fn, eps).contiguous()
@@ -553,7 +542,7 @@ def mhc_pre_norm_fn_bwd(
     tokens, n, hidden = _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
     _check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
-    eps = _check_float("mhc_norm_eps", mhc_norm_eps)
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
     d_x, d_fn_folded = norm_fn_backward_math(grad_output, x, fn, eps)
