@@ -183,6 +183,15 @@ def _check_block_cast(x, fmt, block_size, x_block_size) -> tuple[QuantFormat, in
     return spec, bm, bk
 
 
+def _check_block_cast_with_scales(
+    x, fmt, block_size, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+) -> tuple[QuantFormat, int, int, bool, ScaleLayout]:
+    """The block-cast checks plus the scale flags: format, block, effective round_sf, layout."""
+    spec, bm, bk = _check_block_cast(x, fmt, block_size, x_block_size)
+    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
+    return spec, bm, bk, round_sf, ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+
+
 def per_block_cast(
     x: torch.Tensor,
     fmt: str,
@@ -207,9 +216,9 @@ def per_block_cast(
         ``(q, sf)``, ``sf`` of logical shape ``[ceil(T/bm), ceil(H/bk)]`` (packed: int32
         ``[ceil(T/bm), ceil(ceil(H/bk)/4)]``).
     """
-    spec, bm, bk = _check_block_cast(x, fmt, block_size, x_block_size)
-    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    spec, bm, bk, round_sf, layout = _check_block_cast_with_scales(
+        x, fmt, block_size, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+    )
     values = x.to(torch.float32)
     sf, multiplier = scales_from_amax(_block_amax_2d(values, bm, bk), spec, round_sf)
     q = _encode(spec, values * _expand(multiplier, bm, bk, *values.shape))
@@ -226,9 +235,9 @@ def per_block_cast_with_sf_only(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """The scales ``per_block_cast`` would return, without the data."""
-    spec, bm, bk = _check_block_cast(x, fmt, block_size, x_block_size)
-    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    spec, bm, bk, round_sf, layout = _check_block_cast_with_scales(
+        x, fmt, block_size, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+    )
     sf, _ = scales_from_amax(_block_amax_2d(x.to(torch.float32), bm, bk), spec, round_sf)
     return scales_to_layout(sf, layout)
 
@@ -244,9 +253,9 @@ def per_block_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """Quantize with given scales (in the layout the flags name): ``q = encode(x · (1 / sf))``."""
-    spec, bm, bk = _check_block_cast(x, fmt, block_size, x_block_size)
-    check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    spec, bm, bk, _, layout = _check_block_cast_with_scales(
+        x, fmt, block_size, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+    )
     tokens, hidden = x.shape
     rows, kblocks = ceil_div(tokens, bm), ceil_div(hidden, bk)
     check_scale_tensor("sf", sf, rows=rows, kblocks=kblocks, layout=layout, device=x.device)
