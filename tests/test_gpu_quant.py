@@ -73,3 +73,54 @@ def test_per_token_cast_family_matches_reference(tokens, hidden, C, fmt, dtype, 
     expected_given = reference.per_token_cast_with_precomputed_sf(x, fmt, C, expected_sf, **kwargs)
     _assert_same_bits(q_given_sf, expected_given, "q with precomputed sf")
     _assert_same_bits(back, reference.per_token_cast_back((expected_q, expected_sf), "bf16", C), "cast back")
+
+
+BLOCK_CASES = [
+    (tokens, hidden, block, fmt, dtype, flags, padding)
+    for tokens, hidden in [(0, 256), (1, 7168), (129, 1000), (300, 4096)]
+    for block in ((128, 128), (32, 128), (128, 32), (32, 32))
+    for fmt in ("e4m3", "e2m1")
+    for dtype in (torch.bfloat16, torch.float32)
+    for flags in FLAG_SETS
+    for padding in (0, 64)
+    if not (padding and flags != "plain")
+] + [
+    (129, 999, (128, 128), "e4m3", torch.bfloat16, "plain", 1),  # odd hidden: 1-element vectors
+    (33, 998, (32, 32), "e2m1", torch.float32, "packed", 2),
+]
+
+
+@pytest.mark.parametrize("tokens,hidden,block,fmt,dtype,flags,padding", BLOCK_CASES)
+def test_per_block_cast_family_matches_reference(tokens, hidden, block, fmt, dtype, flags, padding):
+    import tileproof.reference.quant_blocks as reference_blocks
+
+    optimized = _optimized()
+    generator = torch.Generator().manual_seed(tokens * 1_000_003 + hidden * 131 + block[0] * 7 + block[1])
+    x = _input(tokens, hidden, dtype, padding, generator)
+    kwargs = FLAG_SETS[flags]
+    expected_q, expected_sf = reference_blocks.per_block_cast(x, fmt, block, **kwargs)
+    with poison_outputs():
+        q, sf = optimized.per_block_cast(x, fmt, block, **kwargs)
+        sf_only = optimized.per_block_cast_with_sf_only(x, fmt, block, **kwargs)
+        q_given_sf = optimized.per_block_cast_with_precomputed_sf(x, fmt, block, expected_sf, **kwargs)
+    _assert_same_bits(q, expected_q, "q")
+    _assert_same_bits(sf, expected_sf, "sf")
+    _assert_same_bits(sf_only, expected_sf, "sf only")
+    expected_given = reference_blocks.per_block_cast_with_precomputed_sf(x, fmt, block, expected_sf, **kwargs)
+    _assert_same_bits(q_given_sf, expected_given, "q with precomputed sf")
+
+
+@pytest.mark.parametrize("tokens,hidden", [(0, 256), (1, 7168), (129, 1000), (300, 4096), (77, 998)])
+@pytest.mark.parametrize("num_per_tokens", [32, 128])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_channel_cast_matches_reference(tokens, hidden, num_per_tokens, fmt, dtype):
+    import tileproof.reference.quant_blocks as reference_blocks
+
+    generator = torch.Generator().manual_seed(tokens * 1_000_003 + hidden * 131 + num_per_tokens)
+    x = _input(tokens, hidden, dtype, 0, generator)
+    expected_q, expected_sf = reference_blocks.per_channel_cast(x, fmt, num_per_tokens)
+    with poison_outputs():
+        q, sf = _optimized().per_channel_cast(x, fmt, num_per_tokens)
+    _assert_same_bits(q, expected_q, "q")
+    _assert_same_bits(sf, expected_sf, "sf")

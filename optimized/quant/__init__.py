@@ -3,6 +3,7 @@
 Same public names, argument order and results (bit for bit) as ``tileproof.reference.quant``.
 """
 
+from .blocks import per_block_cast, per_block_cast_with_precomputed_sf, per_block_cast_with_sf_only, per_channel_cast
 from .dequantize import cast_back, per_token_cast_back
 from .per_token import per_token_cast, per_token_cast_with_precomputed_sf, per_token_cast_with_sf_only
 
@@ -12,4 +13,8 @@ __all__ = [
     "per_token_cast_with_precomputed_sf",
     "per_token_cast_back",
     "cast_back",
+    "per_block_cast",
+    "per_block_cast_with_sf_only",
+    "per_block_cast_with_precomputed_sf",
+    "per_channel_cast",
 ]
