@@ -28,6 +28,14 @@ Rules of this twin:
   norm weight (if any) folded as ``fn ⊙ γ``. The reference multiplies in full fp32; the optimized
   kernel rounds fn to TF32 for the tensor core. That is a documented tolerance, not a rule: see
   ``docs/mhc.md``.
+- **Big fuse** (inference). ``mhc_pre_big_fuse`` is norm-fn → split → Sinkhorn → pre-apply in one
+  call; it is *defined* as those four steps run one by one (bit for bit), the norm weight included
+  (folded into fn exactly as in ``mhc_pre_norm_fn``).
+- **Multilayer recompute.** ``mhc_multilayer_recompute`` replays L consecutive layers from the
+  first residual ``X_0`` and the saved per-layer coefficients and sublayer outputs ``y_l``:
+  ``layer_in_l = bf16(Σ_i pre_l,i · X_l[i])`` and ``X_{l+1} = bf16(post_l ⊗ y_l + comb_lᵀ X_l)``. Each
+  ``X_{l+1}`` is rounded to bf16 *before* it feeds layer l + 1, as the stored residual of the unfused
+  path is, so the replay is bit-identical to ``mhc_pre_apply_mix`` / ``mhc_post`` run layer by layer.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ __all__ = [
     "mhc_head_compute_mix_bwd",
     "mhc_pre_norm_fn",
     "mhc_pre_norm_fn_bwd",
+    "mhc_pre_big_fuse",
+    "mhc_multilayer_recompute",
     "sinkhorn_forward_math",
     "sinkhorn_backward_math",
     "split_mixes_forward_math",
@@ -552,3 +562,152 @@ def mhc_pre_norm_fn_bwd(
     d_fn = d_fn_folded * mhc_norm_weight
     d_weight = reduce(d_fn_folded * mhc_fn, "m k -> k", "sum")
     return d_residual, d_fn.contiguous(), d_weight.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Big fuse (inference) and multilayer recompute
+# ---------------------------------------------------------------------------------------------
+
+
+def mhc_pre_big_fuse(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    rms_eps: float,
+    mhc_pre_eps: float,
+    mhc_sinkhorn_eps: float,
+    mhc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    n_splits: int = 16,
+    *,
+    mhc_norm_weight: torch.Tensor | None = None,
+):
+    """Inference-only ``mhc_pre``: norm-fn → split → Sinkhorn → pre-apply, one pass per token.
+
+    The fused kernel only saves memory traffic (each token's streams are read once); its result is
+    defined as the four reference steps run one by one on the same inputs, bit for bit:
+    ``mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)``,
+    ``pre, post, L = mhc_pre_split_mixes(mixes, ...)``, ``comb = sinkhorn_normalize(L, ...)``,
+    ``layer_input = mhc_pre_apply_mix(residual, pre)``. Nothing is saved for a backward.
+
+    Args:
+        residual: bf16 ``[T, n, C]``, the streams.
+        fn: fp32 ``[n² + 2n, nC]``, the mixes projection.
+        mhc_scale: fp32 ``[3]``. mhc_base: fp32 ``[n² + 2n]``.
+        rms_eps, mhc_pre_eps, mhc_sinkhorn_eps: finite, >= 0 (the norm-fn, pre and Sinkhorn epsilons).
+        mhc_post_mult_value: finite, >= 0 (the paper and DeepSeek-V4 use 2.0).
+        sinkhorn_repeat: Sinkhorn iterations R >= 1.
+        n_splits: the split-K factor of the kernel's GEMM, a positive int. The reference sums the nC
+            products in one pass, so it has no effect here (TileKernels' TileLang path forces it to 1).
+        mhc_norm_weight: fp32 ``[nC]`` or None (keyword only, after TileKernels' arguments), folded
+            as ``fn ⊙ γ``. TileKernels' ``mhc_pre`` drops the norm weight on its no-grad path, so
+            inference and training disagree there whenever γ ≠ 1; this twin applies it.
+
+    Returns:
+        ``(post_mix fp32 [T, n], comb_mix fp32 [T, n, n], layer_input bf16 [T, C])``, contiguous;
+        comb_mix is after Sinkhorn, indexed [source, destination]. (TileKernels returns post_mix as
+        ``[..., n, 1]``; this twin keeps ``[T, n]``, the shape ``mhc_post`` takes.)
+    """
+    tokens, n, hidden = _check_residual("residual", residual)
+    m3 = n * n + 2 * n
+    check_tensor("fn", fn, dtypes=(F32,), ndim=2)
+    _check_shape("fn", fn, (m3, n * hidden))
+    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_scale", mhc_scale, (3,))
+    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
+    _check_shape("mhc_base", mhc_base, (m3,))
+    if mhc_norm_weight is not None:
+        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
+        _check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+    rms_eps = check_nonnegative_float("rms_eps", rms_eps)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
+    sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
+    repeat = _check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    _check_positive_int("n_splits", n_splits)
+
+    mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
+    pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
+    comb_mix = sinkhorn_normalize(comb_logits, repeat=repeat, eps=sinkhorn_eps)
+    layer_input = mhc_pre_apply_mix(residual, pre_mix)
+    return post_mix, comb_mix, layer_input
+
+
+def _check_tensor_list(name: str, value, length: int | None = None) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{name} must have {length} entries, got {len(value)}")
+    return list(value)
+
+
+def _check_list_entries(name: str, tensors: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    for index, value in enumerate(tensors):
+        check_tensor(f"{name}[{index}]", value, dtypes=(dtype,), ndim=len(shape))
+        _check_shape(f"{name}[{index}]", value, shape)
+
+
+def mhc_multilayer_recompute(
+    initial_residual: torch.Tensor,
+    pre_mix_list: list[torch.Tensor],
+    layer_output_list: list[torch.Tensor],
+    post_mix_list: list[torch.Tensor],
+    comb_mix_list: list[torch.Tensor],
+    layer_input_list: list[torch.Tensor],
+    residual_list: list[torch.Tensor],
+) -> None:
+    """Recompute the layer inputs and residuals of L consecutive layers from the first residual.
+
+    Activation recomputation ([mHC] §4.3.2): the forward keeps ``X_0`` once per block of layers plus
+    each layer's coefficients and sublayer output; the backward replays, for ``l = 0 .. L − 1``,
+    ``layer_input_l = bf16(Σ_i pre_l[i] · X_l[i])`` and, for ``l < P``,
+    ``X_{l+1} = bf16(post_l ⊗ y_l + comb_lᵀ X_l)`` (``comb_l`` indexed [source, destination]). Every
+    ``X_{l+1}`` is rounded to bf16 before layer ``l + 1`` reads it, exactly as the stored residual of
+    the unfused path, so the results are bit-identical to ``mhc_pre_apply_mix`` and ``mhc_post``
+    run layer by layer.
+
+    Args:
+        initial_residual: bf16 ``[T, n, C]``, ``X_0``.
+        pre_mix_list: L >= 1 fp32 ``[T, n]``, the pre weights of every layer.
+        layer_output_list: P bf16 ``[T, C]``, the sublayer outputs ``y_l``; P = L (the block ends
+            with a post) or P = L − 1 (the last layer's input only, its post is not replayed).
+        post_mix_list: P fp32 ``[T, n]``. comb_mix_list: P fp32 ``[T, n, n]`` (after Sinkhorn).
+        layer_input_list: L bf16 ``[T, C]`` output buffers, written in place.
+        residual_list: P bf16 ``[T, n, C]`` output buffers, written in place: ``residual_list[l]``
+            receives ``X_{l+1}``. Output buffers must not overlap the inputs.
+
+    Returns:
+        None (the outputs are written into the given buffers, as TileKernels does).
+    """
+    tokens, n, hidden = _check_residual("initial_residual", initial_residual)
+    pre_mixes = _check_tensor_list("pre_mix_list", pre_mix_list)
+    num_layers = len(pre_mixes)
+    if num_layers < 1:
+        raise ValueError("pre_mix_list must hold at least one layer, got 0 entries")
+    layer_outputs = _check_tensor_list("layer_output_list", layer_output_list)
+    num_post = len(layer_outputs)
+    if num_post not in (num_layers - 1, num_layers):
+        raise ValueError(
+            f"layer_output_list must have {num_layers - 1} or {num_layers} entries (L − 1 or L for "
+            f"L = {num_layers} layers), got {num_post}"
+        )
+    post_mixes = _check_tensor_list("post_mix_list", post_mix_list, num_post)
+    comb_mixes = _check_tensor_list("comb_mix_list", comb_mix_list, num_post)
+    layer_inputs = _check_tensor_list("layer_input_list", layer_input_list, num_layers)
+    residuals = _check_tensor_list("residual_list", residual_list, num_post)
+    _check_list_entries("pre_mix_list", pre_mixes, F32, (tokens, n))
+    _check_list_entries("layer_output_list", layer_outputs, BF16, (tokens, hidden))
+    _check_list_entries("post_mix_list", post_mixes, F32, (tokens, n))
+    _check_list_entries("comb_mix_list", comb_mixes, F32, (tokens, n, n))
+    _check_list_entries("layer_input_list", layer_inputs, BF16, (tokens, hidden))
+    _check_list_entries("residual_list", residuals, BF16, (tokens, n, hidden))
+
+    stream = initial_residual  # X_l, always the bf16 value the unfused path would have stored
+    for layer in range(num_layers):
+        x = stream.to(F32)
+        layer_inputs[layer].copy_(apply_mix_forward_math(x, pre_mixes[layer]).to(BF16))
+        if layer < num_post:
+            y = layer_outputs[layer].to(F32)
+            stream = post_forward_math(y, x, post_mixes[layer], comb_mixes[layer]).to(BF16)
+            residuals[layer].copy_(stream)

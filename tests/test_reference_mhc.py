@@ -268,6 +268,151 @@ def test_norm_fn_public_with_weight(generator, tokens):
 
 
 # ---------------------------------------------------------------------------------------------
+# Big fuse
+# ---------------------------------------------------------------------------------------------
+
+M3 = N * N + 2 * N
+
+
+def big_fuse_case(generator, tokens, hidden):
+    residual = rand(generator, tokens, N, hidden, dtype=torch.bfloat16)
+    fn = rand(generator, M3, N * hidden, dtype=torch.float32, scale=0.02)
+    scale = torch.tensor([0.5, 0.7, 1.3])
+    base = rand(generator, M3, dtype=torch.float32, scale=0.5)
+    weight = 1 + 0.25 * rand(generator, N * hidden, dtype=torch.float32)
+    return residual, fn, scale, base, weight
+
+
+@pytest.mark.parametrize("with_weight", (True, False), ids=("norm-weight", "no-weight"))
+@pytest.mark.parametrize("tokens,hidden", [(0, 64), (1, 33), (37, 96), (3, 7168)])
+def test_big_fuse_is_the_steps_one_by_one(generator, tokens, hidden, with_weight):
+    residual, fn, scale, base, weight = big_fuse_case(generator, tokens, hidden)
+    weight = weight if with_weight else None
+    post, comb, layer_in = rm.mhc_pre_big_fuse(
+        residual, fn, scale, base, 1e-6, 1e-2, 1e-6, 2.0, 20, mhc_norm_weight=weight
+    )
+    assert (post.dtype, post.shape) == (torch.float32, (tokens, N))
+    assert (comb.dtype, comb.shape) == (torch.float32, (tokens, N, N))
+    assert (layer_in.dtype, layer_in.shape) == (torch.bfloat16, (tokens, hidden))
+    assert all(t.is_contiguous() for t in (post, comb, layer_in))
+
+    mixes = rm.mhc_pre_norm_fn(residual, fn, weight, 1e-6)
+    pre_s, post_s, logits_s = rm.mhc_pre_split_mixes(mixes, scale, base, N, 2.0, 1e-2)
+    comb_s = rm.sinkhorn_normalize(logits_s, repeat=20, eps=1e-6)
+    assert torch.equal(post, post_s) and torch.equal(comb, comb_s)
+    assert torch.equal(layer_in, rm.mhc_pre_apply_mix(residual, pre_s))
+
+
+def test_big_fuse_against_float64_math(generator):
+    """Independent of the fp32 steps: the whole chain written out in float64 from the formulas."""
+    tokens, hidden = 19, 40
+    residual, fn, scale, base, weight = big_fuse_case(generator, tokens, hidden)
+    post, comb, layer_in = rm.mhc_pre_big_fuse(
+        residual, fn, scale, base, 1e-6, 1e-6, 1e-6, 2.0, 10, 1, mhc_norm_weight=weight
+    )
+
+    streams = residual.double()
+    x = streams.reshape(tokens, N * hidden)
+    rstd = 1 / torch.sqrt((x * x).mean(1, keepdim=True) + 1e-6)
+    mixes = (x @ (fn.double() * weight.double()).T) * rstd
+    s = scale.double()
+    z_pre = mixes[:, :N] * s[0] + base.double()[:N]
+    z_post = mixes[:, N : 2 * N] * s[1] + base.double()[N : 2 * N]
+    logits = (mixes[:, 2 * N :] * s[2] + base.double()[2 * N :]).reshape(tokens, N, N)
+    pre64 = torch.sigmoid(z_pre) + 1e-6
+    expected_layer_in = (pre64[:, :, None] * streams).sum(1)
+
+    torch.testing.assert_close(post.double(), 2 * torch.sigmoid(z_post), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(comb.double(), rm.sinkhorn_forward_math(logits, 10, 1e-6), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(layer_in.double(), expected_layer_in, atol=1e-4, rtol=2**-8)
+
+
+def test_big_fuse_applies_the_norm_weight(generator):
+    residual, fn, scale, base, weight = big_fuse_case(generator, 11, 48)
+    args = (scale, base, 1e-6, 1e-6, 1e-6, 2.0, 10)
+    with_weight = rm.mhc_pre_big_fuse(residual, fn, *args, mhc_norm_weight=weight)
+    folded = rm.mhc_pre_big_fuse(residual, fn * weight, *args)  # γ folded into fn by hand
+    without = rm.mhc_pre_big_fuse(residual, fn, *args)
+    assert all(torch.equal(a, b) for a, b in zip(with_weight, folded, strict=True))
+    assert not torch.equal(with_weight[1], without[1])  # a dropped γ would show here
+    ones = rm.mhc_pre_big_fuse(residual, fn, *args, mhc_norm_weight=torch.ones(N * 48))
+    assert all(torch.equal(a, b) for a, b in zip(ones, without, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multilayer recompute
+# ---------------------------------------------------------------------------------------------
+
+
+def recompute_case(generator, tokens, hidden, num_layers, num_post):
+    initial = rand(generator, tokens, N, hidden, dtype=torch.bfloat16)
+    pre = [torch.rand(tokens, N, generator=generator) for _ in range(num_layers)]
+    outputs = [rand(generator, tokens, hidden, dtype=torch.bfloat16) for _ in range(num_post)]
+    post = [2 * torch.rand(tokens, N, generator=generator) for _ in range(num_post)]
+    comb = [rm.sinkhorn_normalize(rand(generator, tokens, N, N, dtype=torch.float32)) for _ in range(num_post)]
+    layer_in = [torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(num_layers)]
+    residuals = [torch.full((tokens, N, hidden), float("nan"), dtype=torch.bfloat16) for _ in range(num_post)]
+    return initial, pre, outputs, post, comb, layer_in, residuals
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden,num_layers,num_post",
+    [(0, 64, 2, 2), (1, 33, 1, 0), (1, 33, 1, 1), (9, 96, 4, 3), (9, 96, 4, 4), (2, 2560, 3, 3)],
+)
+def test_multilayer_recompute_is_bitwise_layer_by_layer(generator, tokens, hidden, num_layers, num_post):
+    case = recompute_case(generator, tokens, hidden, num_layers, num_post)
+    initial, pre, outputs, post, comb, layer_in, residuals = case
+    inputs_before = [t.clone() for t in [initial, *pre, *outputs, *post, *comb]]
+    assert rm.mhc_multilayer_recompute(*case) is None
+
+    stream = initial
+    for layer in range(num_layers):
+        assert torch.equal(layer_in[layer], rm.mhc_pre_apply_mix(stream, pre[layer])), f"layer_input[{layer}]"
+        if layer < num_post:
+            stream = rm.mhc_post(outputs[layer], stream, post[layer], comb[layer])
+            assert torch.equal(residuals[layer], stream), f"residual[{layer}]"
+    inputs_after = [initial, *pre, *outputs, *post, *comb]
+    assert all(torch.equal(a, b) for a, b in zip(inputs_before, inputs_after, strict=True))
+
+
+def test_multilayer_recompute_each_step_against_float64(generator):
+    """Each replayed step, from the previous stored (bf16) residual, is the float64 math within one bf16 ulp."""
+    tokens, hidden, num_layers = 5, 24, 5
+    case = recompute_case(generator, tokens, hidden, num_layers, num_layers - 1)
+    initial, pre, outputs, post, comb, layer_in, residuals = case
+    rm.mhc_multilayer_recompute(*case)
+    stream = initial.double()
+    for layer in range(num_layers):
+        expected_in = sum(pre[layer][:, i, None].double() * stream[:, i] for i in range(N))
+        torch.testing.assert_close(layer_in[layer].double(), expected_in, atol=1e-6, rtol=2**-8)
+        if layer == num_layers - 1:
+            break
+        y, p, c = outputs[layer].double(), post[layer].double(), comb[layer].double()
+        expected = torch.stack(
+            [p[:, o, None] * y + sum(c[:, i, o, None] * stream[:, i] for i in range(N)) for o in range(N)], dim=1
+        )
+        torch.testing.assert_close(residuals[layer].double(), expected, atol=1e-6, rtol=2**-8)
+        stream = residuals[layer].double()  # the next layer reads the rounded residual
+
+
+def test_multilayer_recompute_validation(generator):
+    case = list(recompute_case(generator, 3, 8, 3, 2))
+    with pytest.raises(ValueError, match="layer_output_list must have 2 or 3 entries"):
+        rm.mhc_multilayer_recompute(case[0], case[1], case[2][:1], case[3][:1], case[4][:1], case[5], case[6][:1])
+    with pytest.raises(ValueError, match="pre_mix_list must hold at least one layer"):
+        rm.mhc_multilayer_recompute(case[0], [], [], [], [], [], [])
+    with pytest.raises(ValueError, match="comb_mix_list must have 2 entries"):
+        rm.mhc_multilayer_recompute(*case[:4], case[4][:1], *case[5:])
+    with pytest.raises(TypeError, match="residual_list must be a list"):
+        rm.mhc_multilayer_recompute(*case[:6], case[6][0])
+    bad = [case[4][0], case[4][1].double()]
+    with pytest.raises(TypeError, match=r"comb_mix_list\[1\] must have dtype in \(float32\)"):
+        rm.mhc_multilayer_recompute(*case[:4], bad, *case[5:])
+    with pytest.raises(ValueError, match=r"layer_input_list\[0\] must have shape \(3, 8\)"):
+        rm.mhc_multilayer_recompute(*case[:5], [torch.zeros(3, 9, dtype=torch.bfloat16)] * 3, case[6])
+
+
+# ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
 
@@ -300,3 +445,14 @@ def test_validation_errors():
         rm.expand_to_mhc(torch.zeros(2, 8, dtype=torch.bfloat16), 0)
     with pytest.raises(ValueError, match="mhc_base"):
         rm.mhc_head_compute_mix(torch.zeros(2, N), torch.ones(1), torch.zeros(N + 1), 1e-6)
+    args = (torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 1e-6, 2.0, 10)
+    with pytest.raises(ValueError, match=r"fn must have shape \(24, 32\)"):
+        rm.mhc_pre_big_fuse(x, torch.zeros(N, N * 8), *args)
+    with pytest.raises(ValueError, match="mhc_norm_weight"):
+        rm.mhc_pre_big_fuse(x, torch.zeros(24, N * 8), *args, mhc_norm_weight=torch.ones(N * 8 + 1))
+    with pytest.raises(ValueError, match="rms_eps"):
+        rm.mhc_pre_big_fuse(x, torch.zeros(24, N * 8), torch.ones(3), torch.zeros(24), -1.0, 1e-6, 1e-6, 2.0, 10)
+    with pytest.raises(ValueError, match="sinkhorn_repeat"):
+        rm.mhc_pre_big_fuse(x, torch.zeros(24, N * 8), torch.ones(3), torch.zeros(24), 1e-6, 1e-6, 1e-6, 2.0, 0)
+    with pytest.raises(ValueError, match="n_splits"):
+        rm.mhc_pre_big_fuse(x, torch.zeros(24, N * 8), *args, 0)
