@@ -28,6 +28,7 @@ import torch
 from einops import rearrange
 
 from .contract import check_choice, check_tensor
+from .quant import encode_e4m3
 
 __all__ = [
     "topk_gate",
@@ -55,6 +56,8 @@ SOFTPLUS_THRESHOLD = 20.0
 # The physical replica of a logical expert is chosen by (ep_rank + t · this) mod replica count.
 REPLICA_HASH_PRIME = 23333
 MAPPING_DTYPE = torch.int32
+# reduce_fused's output formats: "" keeps x's dtype, "e4m3" encodes to float8_e4m3fn.
+FP8_FORMATS = ("", "e4m3")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,8 +334,10 @@ def top2_sum_gate(
     num_tp_ranks: int,
     scoring_func: str,
     mask: torch.Tensor | None = None,
+    fix_routing_mask: torch.Tensor | None = None,
     to_physical_map: torch.Tensor | None = None,
     logical_count: torch.Tensor | None = None,
+    unmapped_topk_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeepSeek-V3-style router: score, limit groups, pick the top-k, weigh, re-index.
 
@@ -345,10 +350,13 @@ def top2_sum_gate(
        ``num_groups`` consecutive groups; the ``num_topk_groups`` groups with the largest top-2
        sums of ``r`` are kept (:func:`topk_sum_and_topk_group_idx` with ``num_topk_sum = 2``);
        experts of the other groups are out of the race (``r = -inf``).
-    4. **Top-k**: :func:`topk_gate` on ``r`` (stable; ties → smaller expert index).
+    4. **Top-k**: :func:`topk_gate` on ``r`` (stable; ties → smaller expert index). **Fixed
+       routing**: a token with ``fix_routing_mask[t]`` skips steps 2-4 and takes the ``k`` logical
+       experts the caller stored in ``unmapped_topk_idx[t]`` (each in ``[0, R)``; kept in the
+       given order, repeats allowed), e.g. to replay a recorded routing.
     5. **Weights**: ``w_j = fl32(fl32(s_idx_j / den) · fp32(routed_scaling_factor))`` with
        ``den = 1e-20 + Σ_j s_idx_j`` summed left to right (:func:`normalize_weight`), from the
-       scores ``s`` *without* bias.
+       scores ``s`` *without* bias (for fixed tokens too).
     6. **Shared experts** (only when ``use_shared_as_routed``; ``S = num_shared_experts`` in
        ``{1, 2}``): slots ``k .. k+S-1`` get index ``R + j`` and weight ``1.0``.
     7. **Physical map** (optional): logical expert ``e`` becomes
@@ -356,12 +364,16 @@ def top2_sum_gate(
     8. **EP/TP re-indexing**: :func:`mask_indices_by_tp` with ``n = R + num_extra_experts``
        (``num_extra_experts = to_physical_map.shape[1] - 1``, else 0): experts not on this
        tensor-parallel rank become ``-1`` (their weights are kept, as TileKernels does).
-    9. **Mask**: a token with ``mask[t] == False`` gets index ``-1`` and weight ``0`` in every slot.
-
-    Not implemented (TileKernels extras): ``fix_routing_mask`` and ``unmapped_topk_idx``.
+    9. **Mask**: a token with ``mask[t] == False`` gets index ``-1`` and weight ``0`` in every slot;
+       it takes no part in routing (``fix_routing_mask`` and its logits are not read).
+    10. **Unmapped indices** (when ``unmapped_topk_idx`` is given): ``unmapped_topk_idx[t]`` is
+        overwritten **in place** with the ``k`` logical routed experts of step 4 (before steps 6-8:
+        no shared slots, no physical map, no TP masking), ``-1`` for a masked token. A fixed
+        token's row is written back unchanged.
 
     Args:
-        logits: fp32 ``[T, R]``, finite (NaN/inf raise ``ValueError``; the kernel device-asserts).
+        logits: fp32 ``[T, R]``, finite in every routed token (NaN/inf there raise ``ValueError``;
+            the kernel device-asserts); a masked token's logits are not read.
         bias: fp32 ``[R]``.
         num_topk: int, ``1 <= k <= R`` and ``<= num_topk_groups · R / num_groups`` when grouping.
         num_topk_groups, num_groups: ints, both 0 (no grouping) or ``1 <= num_topk_groups <=
@@ -374,8 +386,12 @@ def top2_sum_gate(
             ``0 <= tp_rank < num_tp_ranks``, ``(R + num_extra_experts) % num_ep_ranks == 0``.
         scoring_func: ``"sigmoid"``, ``"sqrtsoftplus"`` or ``"softmax"``.
         mask: optional bool ``[T]`` (True = route the token).
+        fix_routing_mask: optional bool ``[T]`` (True = use the indices in ``unmapped_topk_idx``);
+            requires ``unmapped_topk_idx``.
         to_physical_map: optional int32 ``[R + S, 1 + num_extra_experts]``; with ``logical_count``
             int32 ``[R + S]`` (entries ``>= 1``). Both or neither.
+        unmapped_topk_idx: optional int64 ``[T, k]`` with unit stride along ``k`` (the row stride may
+            exceed ``k``): read (fixed tokens) then overwritten in place (step 10).
 
     Returns:
         ``(topk_idx int64 [T, k + S], topk_weights fp32 [T, k + S])``, contiguous.
@@ -385,8 +401,6 @@ def top2_sum_gate(
     num_tokens, num_routed = logits.shape
     if bias.shape[0] != num_routed:
         raise ValueError(f"bias must have shape ({num_routed},), got {tuple(bias.shape)}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits must be finite (no NaN or inf)")
     _check_int("num_topk", num_topk, low=1, high=num_routed)
     _check_int("num_groups", num_groups, low=0)
     _check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
@@ -414,6 +428,29 @@ def top2_sum_gate(
         check_tensor("mask", mask, dtypes=(torch.bool,), ndim=1)
         if mask.shape[0] != num_tokens:
             raise ValueError(f"mask must have shape ({num_tokens},), got {tuple(mask.shape)}")
+    routed = torch.ones(num_tokens, dtype=torch.bool, device=logits.device) if mask is None else mask
+    if not bool(torch.isfinite(logits[routed]).all()):
+        raise ValueError("logits must be finite (no NaN or inf) in every routed token")
+    if unmapped_topk_idx is not None:
+        check_tensor("unmapped_topk_idx", unmapped_topk_idx, dtypes=(torch.int64,), ndim=2)
+        if tuple(unmapped_topk_idx.shape) != (num_tokens, num_topk):
+            shape = tuple(unmapped_topk_idx.shape)
+            raise ValueError(f"unmapped_topk_idx must have shape {(num_tokens, num_topk)}, got {shape}")
+        if num_topk > 1 and unmapped_topk_idx.stride(1) != 1:
+            # Not check_unit_inner_stride: its advice (.contiguous()) would copy an output buffer.
+            raise ValueError(
+                "unmapped_topk_idx must have unit stride in its last dimension (a row stride larger than the "
+                f"row is fine), got strides {tuple(unmapped_topk_idx.stride())}"
+            )
+    fixed = torch.zeros(num_tokens, dtype=torch.bool, device=logits.device)
+    if fix_routing_mask is not None:
+        check_tensor("fix_routing_mask", fix_routing_mask, dtypes=(torch.bool,), ndim=1)
+        if fix_routing_mask.shape[0] != num_tokens:
+            raise ValueError(f"fix_routing_mask must have shape ({num_tokens},), got {tuple(fix_routing_mask.shape)}")
+        if unmapped_topk_idx is None:
+            raise ValueError("fix_routing_mask needs unmapped_topk_idx, which holds the fixed indices")
+        fixed = fix_routing_mask & routed
+        _check_index_values("unmapped_topk_idx (fixed rows)", unmapped_topk_idx[fixed], low=0, high=num_routed)
     if (to_physical_map is None) != (logical_count is None):
         raise ValueError("to_physical_map and logical_count must be given together")
     num_extra = 0
@@ -443,8 +480,10 @@ def top2_sum_gate(
         keep.scatter_(1, kept_groups, True)
         keep = keep.repeat_interleave(num_routed // num_groups, dim=1)
         ranking = ranking.masked_fill(~keep, float("-inf"))
-    # 4. top-k.
+    # 4. top-k, or the caller's fixed choice.
     routed_idx = topk_gate(ranking, num_topk)
+    if fix_routing_mask is not None:
+        routed_idx = torch.where(rearrange(fixed, "t -> t 1"), unmapped_topk_idx, routed_idx)
     # 5. weights from the unbiased scores.
     _, normalized = normalize_weight(torch.gather(scores, 1, routed_idx))
     factor = torch.tensor(routed_scaling_factor, dtype=torch.float32, device=device)
@@ -467,6 +506,9 @@ def top2_sum_gate(
         skip = rearrange(~mask, "t -> t 1")
         topk_idx = topk_idx.masked_fill(skip, -1)
         topk_weights = topk_weights.masked_fill(skip, 0.0)
+    # 10. the logical choice, written back in place.
+    if unmapped_topk_idx is not None:
+        unmapped_topk_idx.copy_(routed_idx.masked_fill(rearrange(~routed, "t -> t 1"), -1))
     return topk_idx.contiguous(), topk_weights.contiguous()
 
 
@@ -680,20 +722,27 @@ def reduce_fused(
     skipping slots with ``p = token_topk_to_pos[t, j] < 0``:
     ``acc = fma(fp32(x[p]), s_j, acc)`` — one fused multiply-add, one rounding — where
     ``s_j = w[t, j]`` (``1.0`` without ``topk_weights``), times ``x_sf[p]`` (``fl32``) when ``x`` is
-    a ``(data, x_sf)`` pair. Then ``acc = fl32(acc · sf[0])`` when ``sf`` is given, and the result
-    is rounded once to ``x``'s dtype (round to nearest even). A token with no valid slot gives 0.
+    a ``(data, x_sf)`` pair (``x_sf`` is the input rows' dequantization scale). Then
+    ``acc = fl32(acc · sf[0])`` when ``sf`` is given, and the result is rounded once (round to
+    nearest even) to ``x``'s dtype, or with ``fp8_format='e4m3'`` encoded to float8_e4m3fn: finite
+    values beyond ±448 (and ±inf) saturate to ±448, NaN becomes ``0x7F``
+    (:func:`tileproof.reference.quant.encode_e4m3`, the conversion with saturation of the GPU).
+    A token with no valid slot gives 0.
 
-    Not implemented yet: ``fp8_format='e4m3'`` (FP8 output) raises ``NotImplementedError``.
+    ``sf`` is a **multiplier** on the output (TileKernels' meaning, kept so that the optimized twin
+    is a drop-in): to produce FP8 data whose dequantization scale is ``d``, pass ``sf = [1 / d]``.
+    It is also accepted without FP8 output, and applied the same way (TileKernels' kernel refuses
+    that combination; its PyTorch reference applies it).
 
     Args:
         x: ``[P, H]`` (bf16, fp16 or fp32), or a pair ``(data [P, H], x_sf fp32 [P])``.
         topk_weights: fp32 ``[T, k]`` or None.
         token_topk_to_pos: int32 or int64 ``[T, k]`` with entries in ``[-1, P)``.
-        fp8_format: ``""``.
-        sf: optional fp32 ``[1]``, a scale applied to the whole result.
+        fp8_format: ``""`` (output in ``x``'s dtype) or ``"e4m3"`` (float8_e4m3fn output).
+        sf: optional fp32 ``[1]``, a multiplier applied to the whole fp32 result before rounding.
 
     Returns:
-        ``[T, H]`` in ``x``'s (data) dtype, contiguous.
+        ``[T, H]`` in ``x``'s (data) dtype, or float8_e4m3fn with ``fp8_format='e4m3'``; contiguous.
     """
     x_sf = None
     if isinstance(x, tuple):
@@ -701,9 +750,7 @@ def reduce_fused(
             raise TypeError("x must be a tensor or a (data, x_sf) tuple")
         x, x_sf = x
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
-    check_choice("fp8_format", fp8_format, ("", "e4m3"))
-    if fp8_format:
-        raise NotImplementedError("reduce_fused: fp8_format='e4m3' is not in the reference yet")
+    check_choice("fp8_format", fp8_format, FP8_FORMATS)
     num_positions = x.shape[0]
     _check_positions(token_topk_to_pos, num_positions)
     num_tokens, num_topk = token_topk_to_pos.shape
@@ -733,4 +780,6 @@ def reduce_fused(
         acc = torch.where(valid, summed, acc)
     if sf is not None:
         acc = acc * sf[0]
+    if fp8_format == "e4m3":
+        return encode_e4m3(acc).contiguous()
     return acc.to(x.dtype).contiguous()

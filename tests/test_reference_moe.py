@@ -9,6 +9,7 @@ and fp32 results of a fixed sequence of IEEE operations must agree bitwise.
 
 from __future__ import annotations
 
+import bisect
 import math
 import struct
 from fractions import Fraction
@@ -480,6 +481,51 @@ def py_fma(a: float, b: float, c: float) -> float:
     return min(candidates, key=lambda v: (abs(Fraction(v) - exact), struct.unpack("<i", struct.pack("<f", v))[0] & 1))
 
 
+def py_reduce(x, w, x_sf, tk2p, sf) -> list[list[float]]:
+    """Per token: fp32 FMAs over the valid slots in order, then one fp32 multiply by sf."""
+    hidden = x.shape[1]
+    xs = x.float().tolist()
+    ws = w.tolist() if w is not None else None
+    xsf = x_sf.tolist() if x_sf is not None else None
+    out = []
+    for t, row in enumerate(tk2p.tolist()):
+        acc = [0.0] * hidden
+        for j, p in enumerate(row):
+            if p < 0:
+                continue
+            s = ws[t][j] if ws is not None else 1.0
+            if xsf is not None:
+                s = f32(s * xsf[p])
+            acc = [py_fma(xs[p][h], s, acc[h]) for h in range(hidden)]
+        if sf is not None:
+            acc = [f32(a * sf) for a in acc]
+        out.append(acc)
+    return out
+
+
+def e4m3_value(code: int) -> Fraction:
+    """The value of a non-negative float8_e4m3fn code 0x00..0x7E (bias 7, subnormals at exponent 0)."""
+    exponent, mantissa = code >> 3, code & 7
+    if exponent == 0:
+        return Fraction(mantissa, 8) * Fraction(1, 2**6)
+    return (1 + Fraction(mantissa, 8)) * Fraction(2) ** (exponent - 7)
+
+
+E4M3_VALUES = [e4m3_value(code) for code in range(0x7F)]  # ascending, 0 .. 448
+
+
+def py_e4m3(v: float) -> int:
+    """The float8_e4m3fn byte of an fp32 value: saturate to ±448, nearest code, ties to the even code."""
+    if math.isnan(v):
+        return 0x7F
+    sign = 0x80 if math.copysign(1.0, v) < 0 else 0
+    magnitude = Fraction(min(abs(v), 448.0))
+    upper = bisect.bisect_left(E4M3_VALUES, magnitude)  # the first code >= |v|
+    candidates = [code for code in (upper - 1, upper) if 0 <= code < len(E4M3_VALUES)]
+    best = min(candidates, key=lambda code: (abs(E4M3_VALUES[code] - magnitude), code & 1))
+    return sign | best
+
+
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 @pytest.mark.parametrize("with_sf", [False, True])
 def test_reduce_fused_bitwise(num_tokens, with_sf):
@@ -491,19 +537,43 @@ def test_reduce_fused_bitwise(num_tokens, with_sf):
     sf = torch.tensor([0.75])
     got = rm.reduce_fused((x, x_sf) if with_sf else x, w, tk2p, "", sf if with_sf else None)
     assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, 24)
-    xs, ws, xsf = x.float().tolist(), w.tolist(), x_sf.tolist()
-    expected = []
-    for t, row in enumerate(tk2p.tolist()):
-        acc = [0.0] * 24
-        for j, p in enumerate(row):
-            if p < 0:
-                continue
-            s = f32(ws[t][j] * xsf[p]) if with_sf else ws[t][j]
-            acc = [py_fma(xs[p][h], s, acc[h]) for h in range(24)]
-        if with_sf:
-            acc = [f32(a * 0.75) for a in acc]
-        expected.append(acc)
+    expected = py_reduce(x, w, x_sf if with_sf else None, tk2p, 0.75 if with_sf else None)
     assert torch.equal(got, torch.tensor(expected, dtype=torch.float32).reshape(num_tokens, 24).bfloat16())
+
+
+@pytest.mark.parametrize("num_tokens", (0, 1, 7))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "sf_value,with_weights,with_x_sf",
+    [(None, True, False), (0.75, False, True), (300.0, True, True), (2.0**-12, True, False)],
+)
+def test_reduce_fused_fp8_bytes(num_tokens, dtype, sf_value, with_weights, with_x_sf):
+    """FP8 output: the same FMA chain, then · sf, then e4m3 (300 saturates many, 2^-12 makes subnormals)."""
+    idx, mapping = routed(num_tokens, 16, 4, 8, seed=19)
+    tk2p, num_positions = mapping[3], mapping[0].numel()
+    x = (torch.randn(num_positions, 20, generator=gen(20)) * 2).to(dtype)
+    w = torch.rand(num_tokens, 4, generator=gen(21)) if with_weights else None
+    x_sf = torch.rand(num_positions, generator=gen(22)) + 0.5 if with_x_sf else None
+    sf = torch.tensor([sf_value]) if sf_value is not None else None
+    got = rm.reduce_fused((x, x_sf) if with_x_sf else x, w, tk2p, "e4m3", sf)
+    assert got.dtype == torch.float8_e4m3fn and got.shape == (num_tokens, 20) and got.is_contiguous()
+    expected = [[py_e4m3(a) for a in row] for row in py_reduce(x, w, x_sf, tk2p, sf_value)]
+    assert got.view(torch.uint8).tolist() == expected
+
+
+def test_reduce_fused_fp8_saturation_ties_and_specials():
+    # k = 1, no weights: the accumulator is x itself, so every value below reaches the encoder as is.
+    saturating = [500.0, 480.0, 464.0, 449.0, -1000.0, INF, -INF]
+    values = saturating + [NAN, -NAN, 2.0**-10, 3 * 2.0**-10, -1e-10, 17.0, 19.0, 0.0]
+    x = torch.tensor(values).reshape(-1, 1)
+    pos = torch.arange(len(values)).reshape(-1, 1)
+    got = rm.reduce_fused(x, None, pos, "e4m3").view(torch.uint8).reshape(-1).tolist()
+    assert got == [py_e4m3(v) for v in values]
+    # 448 is 0x7E (saturated, including ±inf); every NaN is 0x7F (sign dropped); 2^-10 ties to 0;
+    # 3·2^-10 to 2^-8 (0x02); -1e-10 keeps its sign (0x80); 17 ties down to 16 (0x58), 19 up to 20 (0x5A).
+    assert got == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7E, 0xFE, 0x7F, 0x7F, 0x00, 0x02, 0x80, 0x58, 0x5A, 0x00]
+    scaled = rm.reduce_fused(x[:4], None, pos[:4], "e4m3", torch.tensor([0.5])).view(torch.uint8)
+    assert scaled.reshape(-1).tolist() == [py_e4m3(f32(v * 0.5)) for v in values[:4]]  # 250, 240, 232, 224.5
 
 
 def test_fma_single_rounding():
@@ -528,21 +598,18 @@ def test_expand_reduce_round_trip():
     assert not back[~has_slot].any()
 
 
-def test_reduce_fused_fp8_not_yet():
-    with pytest.raises(NotImplementedError):
-        rm.reduce_fused(torch.zeros(4, 8), None, I2 * 0, "e4m3")
-
-
 # ---------------------------------------------------------------------------------------------
 # top2_sum_gate
 # ---------------------------------------------------------------------------------------------
 
 
-def py_router(logits, bias, num_topk, num_groups, num_topk_groups, factor):
-    """DeepSeek-V3 routing in plain Python: sigmoid, +bias, top-2 group sums, top-k, normalise."""
+def py_router(logits, bias, num_topk, num_groups, num_topk_groups, factor, fixed=None):
+    """DeepSeek-V3 routing in plain Python: sigmoid, +bias, top-2 group sums, top-k, normalise.
+
+    ``fixed[t]``, when given and not None, is row t's chosen experts (fixed routing)."""
     idx_rows, weight_rows = [], []
     per_group = logits.shape[1] // num_groups
-    for row in logits.tolist():
+    for t, row in enumerate(logits.tolist()):
         s = [f32(1.0 / (1.0 + math.exp(-v))) for v in row]
         r = [f32(a + b) for a, b in zip(s, bias.tolist(), strict=True)]
         sums = []
@@ -552,6 +619,8 @@ def py_router(logits, bias, num_topk, num_groups, num_topk_groups, factor):
         kept = set(py_rank(sums)[:num_topk_groups])
         candidates = [r[e] if e // per_group in kept else -INF for e in range(len(r))]
         chosen = py_rank(candidates)[:num_topk]
+        if fixed is not None and fixed[t] is not None:
+            chosen = fixed[t]
         den = f32(1e-20)
         for e in chosen:
             den = f32(den + s[e])
@@ -577,14 +646,15 @@ def test_top2_sum_gate_mask_shared_and_ranks():
     # identity physical map with one extra slot, so that the shared expert (16) has a home
     phys = torch.tensor([[e, e] for e in range(17)], dtype=torch.int32)
     count = torch.ones(17, dtype=torch.int32)
-    args = (4, 0, 0, True, 1, 1.0, 0, 1, 0, 1, "softmax", mask, phys, count)
-    idx, weights = rm.top2_sum_gate(logits, bias, *args)
+    args = (4, 0, 0, True, 1, 1.0, 0, 1, 0, 1, "softmax", mask)
+    idx, weights = rm.top2_sum_gate(logits, bias, *args, to_physical_map=phys, logical_count=count)
     assert idx.shape == (6, 5) and idx[1].tolist() == [-1] * 5 and weights[1].tolist() == [0.0] * 5
     assert idx[0, 4].item() == 16 and weights[0, 4].item() == 1.0
     assert idx[0, :4].tolist() == torch.topk(logits[0], 4).indices.tolist()
     torch.testing.assert_close(weights[0, :4].sum(), torch.tensor(1.0))
     # EP = 1, TP = 1 keeps everything; EP = 17 ranks, TP = 17: only experts of rank tp_rank survive
-    tp_idx, _ = rm.top2_sum_gate(logits, bias, 4, 0, 0, True, 1, 1.0, 0, 17, 3, 17, "softmax", mask, phys, count)
+    tp_args = (4, 0, 0, True, 1, 1.0, 0, 17, 3, 17, "softmax", mask)
+    tp_idx, _ = rm.top2_sum_gate(logits, bias, *tp_args, to_physical_map=phys, logical_count=count)
     assert set(tp_idx[mask].reshape(-1).tolist()) <= {-1, 0}
     assert ((tp_idx == 0) == (idx == 3)).all()
     with pytest.raises(ValueError, match="^num_shared_experts "):
@@ -603,3 +673,139 @@ def test_top2_sum_gate_empty_and_sqrtsoftplus(scoring_func):
         torch.testing.assert_close(weights, torch.tensor([[s0 / (s0 + s1), s1 / (s0 + s1)]]))
     empty = rm.top2_sum_gate(torch.zeros(0, 4), torch.zeros(4), 2, 0, 0, False, 0, 1.0, 0, 1, 0, 1, scoring_func)
     assert empty[0].shape == (0, 2) and empty[1].shape == (0, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# top2_sum_gate: fixed routing and the unmapped indices
+# ---------------------------------------------------------------------------------------------
+
+
+def test_top2_sum_gate_fixed_routing_and_unmapped():
+    num_tokens, num_routed, num_topk = 40, 64, 6
+    logits = torch.randn(num_tokens, num_routed, generator=gen(31))
+    bias = torch.randn(num_routed, generator=gen(32)) * 0.1
+    mask = torch.rand(num_tokens, generator=gen(33)) > 0.2
+    fix = torch.rand(num_tokens, generator=gen(34)) > 0.5
+    mask[:2], fix[:2] = torch.tensor([False, True]), torch.tensor([True, True])  # a masked and a routed fixed row
+    logits[0] = NAN  # a masked token's logits are not read
+    given = torch.randint(0, num_routed, (num_tokens, num_topk), generator=gen(35))  # repeats allowed
+    # The buffer is a slice of a wider one (row stride k + 3) whose padding columns must survive.
+    wide = torch.full((num_tokens, num_topk + 3), 12345, dtype=torch.int64)
+    wide[:, :num_topk] = given
+    wide[0, :num_topk] = -1  # a masked fixed row (left by an earlier call) is not read either
+    unmapped = wide[:, :num_topk]
+    args = (num_topk, 4, 8, False, 0, 2.5, 0, 1, 0, 1, "sigmoid", mask, fix)
+    idx, weights = rm.top2_sum_gate(logits, bias, *args, unmapped_topk_idx=unmapped)
+
+    routed_rows = [t for t in range(num_tokens) if mask[t]]
+    fixed = [given[t].tolist() if fix[t] else None for t in routed_rows]
+    want_idx, want_weights = py_router(logits[routed_rows], bias, num_topk, 8, 4, 2.5, fixed)
+    assert idx[routed_rows].tolist() == want_idx
+    torch.testing.assert_close(weights[routed_rows], torch.tensor(want_weights), rtol=4e-7, atol=0)
+    assert idx[~mask].eq(-1).all() and weights[~mask].eq(0).all()
+    expected_unmapped = [[-1] * num_topk for _ in range(num_tokens)]
+    for t, chosen in zip(routed_rows, want_idx, strict=True):
+        expected_unmapped[t] = chosen
+    assert unmapped.tolist() == expected_unmapped
+    assert wide[:, num_topk:].eq(12345).all()
+
+
+def test_top2_sum_gate_unmapped_is_the_logical_choice():
+    """unmapped_topk_idx holds the logical experts; topk_idx their replicas, TP-masked (loops here)."""
+    num_tokens, num_routed, num_topk, num_extra = 9, 16, 4, 4  # 20 physical experts on 4 EP ranks of 5
+    logits = torch.randn(num_tokens, num_routed, generator=gen(41))
+    bias = torch.randn(num_routed, generator=gen(42)) * 0.1
+    count = torch.randint(1, num_extra + 2, (num_routed + 1,), generator=gen(43), dtype=torch.int32)
+    phys = torch.randint(
+        0, num_routed + num_extra, (num_routed + 1, num_extra + 1), generator=gen(44), dtype=torch.int32
+    )
+    fix = torch.tensor([t % 3 == 0 for t in range(num_tokens)])
+    given = torch.randint(0, num_routed, (num_tokens, num_topk), generator=gen(45))
+    ep_rank, num_ep_ranks, num_tp_ranks = 1, 4, 2
+    for tp_rank in range(num_tp_ranks):
+        unmapped = given.clone()
+        args = (num_topk, 0, 0, True, 1, 1.0, ep_rank, num_ep_ranks, tp_rank, num_tp_ranks, "softmax")
+        # Positional: TileKernels' order (mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx).
+        idx, _ = rm.top2_sum_gate(logits, bias, *args, None, fix, phys, count, unmapped)
+        for t in range(num_tokens):
+            ranking = [
+                f32(v + b) for v, b in zip(logits[t].tolist(), bias.tolist(), strict=True)
+            ]  # softmax ranks logits
+            logical = given[t].tolist() if fix[t] else py_rank(ranking)[:num_topk]
+            assert unmapped[t].tolist() == logical
+            replicas = [phys[e, (ep_rank + t * 23333) % int(count[e])].item() for e in logical + [num_routed]]
+            expected = py_mask_by_tp(
+                torch.tensor([replicas]), num_routed + num_extra, num_ep_ranks, tp_rank, num_tp_ranks
+            )
+            assert idx[t].tolist() == expected[0]
+
+
+L4, B8, U42 = torch.zeros(4, 8), torch.zeros(8), torch.zeros(4, 2, dtype=torch.int64)
+ALL4 = torch.ones(4, dtype=torch.bool)
+
+
+def gate(logits=L4, **kwargs):
+    return rm.top2_sum_gate(logits, B8, 2, 0, 0, False, 0, 1.0, 0, 1, 0, 1, "sigmoid", **kwargs)
+
+
+def with_nan(row: int) -> torch.Tensor:
+    logits = L4.clone()
+    logits[row, 3] = NAN
+    return logits
+
+
+BAD_EXTRAS = {
+    "fix-without-unmapped": (lambda: gate(fix_routing_mask=ALL4), ValueError, "fix_routing_mask"),
+    "fix-dtype": (lambda: gate(fix_routing_mask=ALL4.int(), unmapped_topk_idx=U42), TypeError, "fix_routing_mask"),
+    "fix-shape": (lambda: gate(fix_routing_mask=ALL4[:3], unmapped_topk_idx=U42), ValueError, "fix_routing_mask"),
+    "fixed-index-too-large": (
+        lambda: gate(fix_routing_mask=ALL4, unmapped_topk_idx=U42 + 8),
+        ValueError,
+        "unmapped_topk_idx",
+    ),
+    "fixed-index-negative": (
+        lambda: gate(fix_routing_mask=ALL4, unmapped_topk_idx=U42 - 1),
+        ValueError,
+        "unmapped_topk_idx",
+    ),
+    "unmapped-dtype": (lambda: gate(unmapped_topk_idx=U42.int()), TypeError, "unmapped_topk_idx"),
+    "unmapped-list": (lambda: gate(unmapped_topk_idx=U42.tolist()), TypeError, "unmapped_topk_idx"),
+    "unmapped-shape": (
+        lambda: gate(unmapped_topk_idx=torch.zeros(4, 3, dtype=torch.int64)),
+        ValueError,
+        "unmapped_topk_idx",
+    ),
+    "unmapped-inner-stride": (
+        lambda: gate(unmapped_topk_idx=torch.zeros(2, 4, dtype=torch.int64).T),
+        ValueError,
+        "unmapped_topk_idx",
+    ),
+    "nan-in-routed-token": (
+        lambda: gate(with_nan(2), mask=torch.tensor([False, True, True, True])),
+        ValueError,
+        "logits",
+    ),
+    "fp8-format": (lambda: rm.reduce_fused(L4, None, U42, "e5m2"), ValueError, "fp8_format"),
+    "fp8-format-none": (lambda: rm.reduce_fused(L4, None, U42, None), ValueError, "fp8_format"),
+    "sf-shape": (lambda: rm.reduce_fused(L4, None, U42, "e4m3", torch.ones(2)), ValueError, "sf"),
+    "sf-dtype": (lambda: rm.reduce_fused(L4, None, U42, "e4m3", torch.ones(1, dtype=torch.float64)), TypeError, "sf"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_EXTRAS))
+def test_validation_of_the_extras(name):
+    call, error, argument = BAD_EXTRAS[name]
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(f"{argument} ")
+
+
+def test_masked_tokens_are_not_read():
+    """Invalid fixed indices and NaN logits are fine in masked tokens (they take no part)."""
+    mask = torch.tensor([True, False, True, True])
+    unmapped = U42.clone()
+    unmapped[1] = 99
+    idx, weights = gate(with_nan(1), mask=mask, fix_routing_mask=ALL4, unmapped_topk_idx=unmapped)
+    assert idx[1].tolist() == [-1, -1] and weights[1].tolist() == [0.0, 0.0]
+    assert unmapped.tolist() == [[0, 0], [-1, -1], [0, 0], [0, 0]]
+    assert weights[0].tolist() == [0.5, 0.5]  # the fixed row [0, 0]: twice sigmoid(0) over its double
