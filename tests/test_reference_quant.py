@@ -27,6 +27,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from tileproof.reference import contract
 from tileproof.reference import quant as rq
 from tileproof.reference.contract import E2M1, E2M1_GRID, E4M3, ScaleLayout, align, ceil_div
 
@@ -876,16 +877,22 @@ def test_cast_back_validation():
         ((q, sf), "fp16", (1, 32), None, ValueError, "fmt"),
         ((q, sf), "e4m3", (1, 32), None, ValueError, "fmt"),
         ((q, sf), "bfloat16", (1, 32), None, ValueError, "fmt"),
-        ((q, sf), "fp32", (128, 128), None, ValueError, "x_block_size"),
+        ((q, sf), "fp32", (128, 128), None, ValueError, r"x\[1\] must have shape \(1, 1\)"),
         ((q, sf), "fp32", (2, 32), None, ValueError, "x_block_size"),
+        ((q, sf), "fp32", (64, 64), None, ValueError, "x_block_size"),
+        ((q, sf), "fp32", (1, 1), None, ValueError, "x_block_size"),
+        ((q, sf), "fp32", (32, 1), None, ValueError, r"x\[1\] must have shape \(1, 64\)"),
+        ((q, sf), "fp32", (True, 32), None, TypeError, "x_block_size"),
         ((q, sf), "fp32", (1,), None, TypeError, "x_block_size"),
         ((q, sf), "fp32", "1x32", None, TypeError, "x_block_size"),
         ((q, sf), "fp32", (1, 32.0), None, TypeError, "x_block_size"),
         ((q, sf), "fp32", None, None, TypeError, "x_block_size"),
         ((q, sf), "fp32", (1, 48), None, ValueError, "num_per_channels"),
         ((q, sf), "fp32", (1, 16), None, ValueError, r"x\[1\] must have shape"),
-        ((q, sf), "fp32", (1, 32), "e5m6", ValueError, "x_special_fmt"),
-        ((q, sf), "fp32", (1, 32), "e4m3", ValueError, "x_special_fmt"),
+        ((q, sf), "fp32", (1, 32), "e5m6", TypeError, r"x\[0\] must have dtype in \(uint8\)"),
+        ((q, sf), "fp32", (1, 32), "e4m3", ValueError, "x_special_fmt must be None or 'e5m6'"),
+        ((q.view(torch.uint8), sf), "fp32", (1, 32), None, TypeError, r"x\[0\] must have dtype"),
+        ((q.view(torch.uint8)[:, :62], sf), "fp32", (1, 32), "e5m6", ValueError, "multiple of 12"),
         (q, "fp32", (1, 32), None, TypeError, r"x must be a \(data, sf\) pair"),
         ((q, sf, sf), "fp32", (1, 32), None, TypeError, r"x must be a \(data, sf\) pair"),
         ((q.to(torch.float32), sf), "fp32", (1, 32), None, TypeError, r"x\[0\]"),
@@ -903,5 +910,188 @@ def test_cast_back_validation():
         rq.per_token_cast_back((q, sf), "fp16", 32)
     with pytest.raises(ValueError, match="num_per_channels"):
         rq.per_token_cast_back((q, sf), "fp32", 48)
-    with pytest.raises(ValueError, match="x_special_fmt"):
+    with pytest.raises(TypeError, match=r"x\[0\]"):
         rq.per_token_cast_back((q, sf), "fp32", 32, x_special_fmt="e5m6")
+    with pytest.raises(ValueError, match="x_special_fmt"):
+        rq.per_token_cast_back((q, sf), "fp32", 32, x_special_fmt="e2m1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized inputs: cast back of every block shape and scale layout, re-quantization
+# ---------------------------------------------------------------------------------------------
+
+# Every block a cast of the contract makes: per token (1, C) and (1, H), per block, per channel.
+QUANTIZED_BLOCKS = [(1, 16), (1, 32), (1, 64), (1, 128), (1, "H"), (32, 32), (32, 128), (128, 32), (128, 128)]
+QUANTIZED_BLOCKS += [(32, 1), (128, 1)]
+LAYOUTS = ("row_major", "col_major", "packed_ue8m0")
+
+
+def e5m6_value_scalar(code: int) -> float:
+    """12-bit e5m6 code → value (1 sign, 5 exponent bits with bias 15, 6 mantissa bits)."""
+    sign, exponent, mantissa = code >> 11, (code >> 6) & 0x1F, code & 0x3F
+    if exponent == 31:
+        magnitude = math.inf if mantissa == 0 else math.nan
+    elif exponent == 0:
+        magnitude = mantissa * 2.0**-20
+    else:
+        magnitude = (1 + mantissa / 64) * 2.0 ** (exponent - 15)
+    return -magnitude if sign else magnitude
+
+
+def e4m3_float_scalar(code: int) -> float:
+    value = e4m3_value_scalar(code)  # a Fraction: its zero has no sign, so take the sign bit
+    return math.nan if value is None else math.copysign(abs(float(value)), -1.0 if code & 0x80 else 1.0)
+
+
+def element_values(q: torch.Tensor, fmt: str) -> list[list[float]]:
+    """The stored elements as Python floats, decoded byte by byte without the reference."""
+    rows = q.view(torch.uint8).tolist()
+    if fmt == "e4m3":
+        return [[e4m3_float_scalar(b) for b in row] for row in rows]
+    if fmt == "e2m1":
+        return [[e2m1_decode_scalar(c) for b in row for c in (b & 0xF, b >> 4)] for row in rows]
+    out = []
+    for row in rows:
+        codes = []
+        for g in range(0, len(row), 12):
+            words = [int.from_bytes(bytes(row[g + 4 * w : g + 4 * w + 4]), "little") for w in range(3)]
+            bits = (words[0] << 64) | (words[1] << 32) | words[2]  # 96 bits, h0 on top
+            codes += [(bits >> (12 * (7 - i))) & 0xFFF for i in range(8)]
+        out.append([e5m6_value_scalar(c) for c in codes])
+    return out
+
+
+def stored_scales(sf: torch.Tensor, kblocks: int) -> list[list[float]]:
+    """The scales as Python floats, read element by element (packed: the exponent bytes of each word)."""
+    if sf.dtype == torch.float32:
+        return [[float(sf[r, k]) for k in range(kblocks)] for r in range(sf.shape[0])]
+    out = []
+    for r in range(sf.shape[0]):
+        exponent_bytes = [(int(sf[r, k // 4]) >> (8 * (k % 4))) & 0xFF for k in range(kblocks)]
+        out.append([math.nan if b == 0xFF else (0.0 if b == 0 else 2.0 ** (b - 127)) for b in exponent_bytes])
+    return out
+
+
+def loop_dequantize(q, sf, fmt: str, bm: int, bk: int) -> torch.Tensor:
+    """``decode(q[t, h]) · sf[t // bm, h // bk]`` rounded to fp32, one element at a time."""
+    values = element_values(q, fmt)
+    hidden = len(values[0]) if values else {"e4m3": 1, "e2m1": 2}.get(fmt, 2 / 3) * q.shape[1]
+    scales = stored_scales(sf, ceil_div(int(hidden), bk))
+    out = [[f32(v * scales[t // bm][h // bk]) for h, v in enumerate(row)] for t, row in enumerate(values)]
+    return torch.tensor(out, dtype=torch.float32).reshape(q.shape[0], int(hidden))
+
+
+def random_pair(generator, fmt: str, tokens: int, hidden: int, bm: int, bk: int, layout: str):
+    """Random codes (NaN codes included) and random scales of one block shape, stored in ``layout``."""
+    columns = {"e4m3": hidden, "e2m1": hidden // 2, "e5m6": hidden * 3 // 2}[fmt]
+    data = torch.randint(0, 256, (tokens, columns), generator=generator, dtype=torch.int32).to(torch.uint8)
+    if fmt == "e4m3":
+        data = data.view(torch.float8_e4m3fn)
+    elif fmt == "e2m1":
+        data = data.view(torch.int8)
+    rows, kblocks = ceil_div(tokens, bm), ceil_div(hidden, bk)
+    exponents = torch.randint(-40, 40, (rows, kblocks), generator=generator).to(torch.float32)
+    scales = torch.exp2(exponents)
+    if layout != "packed_ue8m0":
+        scales = scales * (1 + torch.rand(rows, kblocks, generator=generator))  # not powers of two
+    return data, rq.scales_to_layout(scales, ScaleLayout(layout))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "e5m6"])
+@pytest.mark.parametrize("block", QUANTIZED_BLOCKS, ids=str)
+def test_cast_back_every_block_shape_and_layout_matches_a_loop(fmt, block, generator):
+    tokens, hidden = 35, 40  # tails for every block; 40 is a multiple of 8 (e5m6) and even (e2m1)
+    bm, bk = block[0], hidden if block[1] == "H" else block[1]
+    special = "e5m6" if fmt == "e5m6" else None
+    for layout in LAYOUTS:
+        data, sf = random_pair(generator, fmt, tokens, hidden, bm, bk, layout)
+        expected = loop_dequantize(data, sf, fmt, bm, bk)
+        out32 = rq.cast_back((data, sf), "fp32", (bm, bk), x_special_fmt=special)
+        out16 = rq.cast_back((data, sf), "bf16", (bm, bk), x_special_fmt=special)
+        assert out32.shape == (tokens, hidden) and out32.is_contiguous()
+        both_nan = torch.isnan(out32) & torch.isnan(expected)
+        assert torch.equal(
+            torch.where(both_nan, 0.0, out32).view(torch.int32), torch.where(both_nan, 0.0, expected).view(torch.int32)
+        )
+        assert out16.dtype == torch.bfloat16
+        assert_bitwise(
+            torch.where(both_nan, 0.0, out16.float()), torch.where(both_nan, 0.0, expected.bfloat16().float())
+        )
+        if bm == 1:
+            assert_bitwise(rq.per_token_cast_back((data, sf), "fp32", bk, x_special_fmt=special), out32)
+
+
+def test_cast_back_strided_rows_and_zero_tokens(generator):
+    data, sf = random_pair(generator, "e2m1", 9, 64, 32, 32, "col_major")
+    wide = torch.full((9, 40), 0x77, dtype=torch.uint8).view(torch.int8)  # padding decodes as 6
+    wide[:, :32] = data
+    assert_bitwise(rq.cast_back((wide[:, :32], sf), "fp32", (32, 32)), rq.cast_back((data, sf), "fp32", (32, 32)))
+    empty, sf0 = random_pair(generator, "e4m3", 0, 64, 128, 128, "packed_ue8m0")
+    out = rq.cast_back((empty, sf0), "bf16", (128, 128))
+    assert out.shape == (0, 64) and out.dtype == torch.bfloat16
+
+
+SOURCES = {  # (fmt, x_block_size, flags) of the quantized input of a re-quantization
+    "e4m3_1x128": ("e4m3", (1, 128), {}),
+    "e2m1_1x32_packed": ("e2m1", (1, 32), {"use_packed_ue8m0": True}),
+    "e4m3_1x16_col_major": ("e4m3", (1, 16), {"use_tma_aligned_col_major_sf": True}),
+}
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("fmt,c", [("e4m3", 128), ("e2m1", 32), ("e4m3", "H")])
+def test_per_token_requantization_is_cast_of_the_dequantized_input(source, fmt, c, generator):
+    in_fmt, block, in_flags = SOURCES[source]
+    for tokens, hidden in [(0, 64), (1, 128), (37, 160)]:
+        c_out = hidden if c == "H" else c
+        x = make_input(generator, tokens, hidden, 32, "e4m3", torch.float32)
+        pair = rq.per_token_cast(x, in_fmt, block[1], **in_flags)
+        dequantized = loop_dequantize(*pair, in_fmt, *block) if tokens else torch.zeros(0, hidden)
+        for flags in ({}, {"round_sf": True}, {"use_packed_ue8m0": True, "use_tma_aligned_col_major_sf": True}):
+            q, sf = rq.per_token_cast(pair, fmt, c_out, x_block_size=block, **flags)
+            q_expected, sf_expected = rq.per_token_cast(dequantized, fmt, c_out, **flags)
+            assert_bitwise(q, q_expected)
+            assert_bitwise(sf, sf_expected)
+            sf_only = rq.per_token_cast_with_sf_only(pair, fmt, c_out, x_block_size=block, **flags)
+            assert_bitwise(sf_only, sf_expected)
+            q_given = rq.per_token_cast_with_precomputed_sf(pair, fmt, c_out, sf, x_block_size=block, **flags)
+            q_given_expected = rq.per_token_cast_with_precomputed_sf(dequantized, fmt, c_out, sf, **flags)
+            assert_bitwise(q_given, q_given_expected)
+
+
+def test_requantization_multiplies_the_dequantized_value_not_a_fused_factor():
+    """y = fl(fl(q · sf_in) · m), not fl(q · fl(sf_in · m)): a case where the two differ."""
+    q = torch.tensor([[1.25, 448.0]]).to(torch.float8_e4m3fn)
+    sf_in = torch.tensor([[f32(1 / 3)]])
+    q_out, sf_out = rq.per_token_cast((q, sf_in), "e4m3", 2, x_block_size=(1, 2))
+    multiplier = f32(448.0 / f32(448.0 * f32(1 / 3)))
+    dequantized = f32(1.25 * f32(1 / 3))
+    assert sf_out.item() == f32(f32(448.0 * f32(1 / 3)) / 448.0)
+    assert q_out.view(torch.uint8)[0, 0].item() == e4m3_code_scalar(f32(dequantized * multiplier))
+    fused = f32(1.25 * f32(f32(1 / 3) * multiplier))
+    assert f32(dequantized * multiplier) != fused  # the two orders differ in the last bit here
+
+
+def test_requantization_validation():
+    pair = rq.per_token_cast(torch.randn(4, 64), "e4m3", 32)
+    cases = [
+        ({}, TypeError, "x_block_size must be a"),  # x_block_size=None with a pair
+        ({"x_block_size": (1, 64)}, ValueError, r"x\[1\] must have shape"),
+        ({"x_block_size": (1, 48)}, ValueError, "x_block_size"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            rq.per_token_cast(pair, "e4m3", 32, **kwargs)
+    with pytest.raises(ValueError, match="fmt 'e5m6' takes a plain tensor"):
+        rq.per_token_cast(pair, "e5m6", 64, x_block_size=(1, 32))
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        rq.per_token_cast_with_sf_only(pair, "e5m6", 64, x_block_size=(1, 32))
+    with pytest.raises(TypeError, match=r"x\[0\] must have dtype"):
+        rq.per_token_cast((pair[0].float(), pair[1]), "e4m3", 32, x_block_size=(1, 32))
+    with pytest.raises(ValueError, match="num_per_channels"):
+        rq.per_token_cast(pair, "e4m3", 48, x_block_size=(1, 32))
+    with pytest.raises(ValueError, match="x_block_size is only meaningful .* tuple; .* type list"):
+        rq.per_token_cast(list(pair), "e4m3", 32, x_block_size=(1, 32))  # a list is not a quantized pair
+    # An implementation without re-quantization (the shared check, given the tuple) says so.
+    with pytest.raises(ValueError, match="re-quantizing a .* tuple .* is not supported by it"):
+        contract.check_per_token_cast_input(pair, "e4m3", 32, (1, 32))

@@ -325,3 +325,463 @@ def test_per_channel_validation():
         qb.per_channel_cast(x, "fp8")
     with pytest.raises(ValueError, match="must be even"):
         qb.per_channel_cast(torch.randn(8, 7), "e2m1")
+
+
+# ---------------------------------------------------------------------------------------------
+# per_token_cast to e5m6 (one scale per row) and its cast back
+# ---------------------------------------------------------------------------------------------
+
+E5M6_FLAGS = [{}, {"round_sf": True}, {"use_tma_aligned_col_major_sf": True}, {"use_packed_ue8m0": True}]
+
+
+def stored_row_scales(sf: torch.Tensor) -> list[float]:
+    """One scale per row, read element by element (packed UE8M0: byte 0 of the row's word)."""
+    if sf.dtype == torch.int32:
+        return [2.0 ** ((int(sf[r, 0]) & 0xFF) - 127) for r in range(sf.shape[0])]
+    return [float(sf[r, 0]) for r in range(sf.shape[0])]
+
+
+@pytest.mark.parametrize("flags", E5M6_FLAGS, ids=lambda f: "+".join(f) or "plain")
+def test_e5m6_cast_follows_the_scale_rule_and_the_independent_encoder(flags, generator):
+    rounded = bool(flags) and "use_tma_aligned_col_major_sf" not in flags
+    for tokens, hidden, dtype in [
+        (0, 8, torch.float32),
+        (1, 8, torch.bfloat16),
+        (6, 40, torch.float32),
+        (3, 96, torch.bfloat16),
+    ]:
+        x = torch.randn(tokens, hidden, generator=generator) * torch.exp2(
+            torch.randint(-12, 12, (tokens, 1), generator=generator)
+        )
+        if tokens > 2:
+            x[1] = torch.randn(hidden, generator=generator) * 1e-7  # below the 1e-4 amax floor
+            x[2, 0] = -(2.0**-30)  # rounds to -0 after the multiply
+        x = x.to(dtype)
+        q, sf = rq.per_token_cast(x, "e5m6", hidden, **flags)
+        assert q.dtype == torch.uint8 and tuple(q.shape) == (tokens, hidden * 3 // 2) and q.is_contiguous()
+        layout = ScaleLayout.from_flags(
+            flags.get("use_tma_aligned_col_major_sf", False), flags.get("use_packed_ue8m0", False)
+        )
+        expected_sf = rq.scales_to_layout(torch.zeros(tokens, 1), layout)
+        assert sf.dtype == expected_sf.dtype and sf.shape == expected_sf.shape and sf.stride() == expected_sf.stride()
+        codes = qb.unpack_e5m6(q).to(torch.int32).tolist()
+        scales = stored_row_scales(sf)
+        for t, row in enumerate(x.to(torch.float32).tolist()):
+            amax = max(max(abs(v) for v in row), f32(1e-4))
+            if rounded:
+                mantissa, exponent = math.frexp(f32(amax / 65024.0))
+                scale = 2.0 ** (exponent - 1) if mantissa == 0.5 else 2.0**exponent
+                multiplier = 1.0 / scale
+            else:
+                scale, multiplier = f32(amax / 65024.0), f32(65024.0 / amax)
+            assert scales[t] == scale
+            assert codes[t] == [scalar_encode(f32(v * multiplier)) for v in row]
+        back = rq.cast_back((q, sf), "fp32", (1, hidden), x_special_fmt="e5m6")
+        expected_back = [
+            [f32(float(POSITIVE[c & 0x7FF]) * (-1 if c & 0x800 else 1) * scales[t]) for c in row]
+            for t, row in enumerate(codes)
+        ]
+        assert back.tolist() == expected_back
+
+
+def test_e5m6_cast_validation():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="one scale per row"):
+        rq.per_token_cast(x, "e5m6", 32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        rq.per_token_cast(torch.randn(4, 60), "e5m6", 60)
+    with pytest.raises(ValueError, match="takes a plain tensor"):
+        rq.per_token_cast(rq.per_token_cast(x, "e4m3", 64), "e5m6", 64, x_block_size=(1, 64))
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        rq.per_token_cast_with_sf_only(x, "e5m6", 64)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        qb.per_block_cast(x, "e5m6", (32, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Re-quantization by the block casts
+# ---------------------------------------------------------------------------------------------
+
+
+def block_loop_dequantize(data, sf, fmt: str, bm: int, bk: int) -> torch.Tensor:
+    """decode(data) times each block's own scale, one block at a time (scales read word by word)."""
+    values = decode(fmt, data)
+    tokens, hidden = values.shape
+    out = torch.empty_like(values)
+    for r in range(ceil_div(tokens, bm)):
+        for k in range(ceil_div(hidden, bk)):
+            if sf.dtype == torch.int32:
+                scale = 2.0 ** (((int(sf[r, k // 4]) >> (8 * (k % 4))) & 0xFF) - 127)
+            else:
+                scale = float(sf[r, k])
+            block = (slice(r * bm, (r + 1) * bm), slice(k * bk, (k + 1) * bk))
+            out[block] = values[block] * scale
+    return out
+
+
+REQUANT_SOURCES = {
+    "e4m3_1x128": lambda x: (rq.per_token_cast(x, "e4m3", 128), (1, 128), "e4m3"),
+    "e2m1_1x32_packed": lambda x: (rq.per_token_cast(x, "e2m1", 32, use_packed_ue8m0=True), (1, 32), "e2m1"),
+    "e4m3_128x128_col_major": lambda x: (
+        qb.per_block_cast(x, "e4m3", (128, 128), use_tma_aligned_col_major_sf=True),
+        (128, 128),
+        "e4m3",
+    ),
+    "e4m3_channel_32": lambda x: (qb.per_channel_cast(x, "e4m3", 32), (32, 1), "e4m3"),
+}
+
+
+@pytest.mark.parametrize("source", REQUANT_SOURCES)
+@pytest.mark.parametrize("fmt,block", [("e4m3", (128, 128)), ("e2m1", (32, 32)), ("e4m3", (32, 128))])
+def test_per_block_requantization_is_cast_of_the_dequantized_input(source, fmt, block, generator):
+    for tokens, hidden in [(0, 64), (1, 128), (45, 160)]:
+        x = torch.randn(tokens, hidden, generator=generator) * torch.exp2(
+            torch.randint(-5, 5, (tokens, 1), generator=generator)
+        )
+        pair, x_block, in_fmt = REQUANT_SOURCES[source](x)
+        dequantized = block_loop_dequantize(*pair, in_fmt, *x_block)
+        for flags in ({}, {"use_packed_ue8m0": True}):
+            q, sf = qb.per_block_cast(pair, fmt, block, x_block_size=x_block, **flags)
+            q_expected, sf_expected = qb.per_block_cast(dequantized, fmt, block, **flags)
+            assert torch.equal(q.view(torch.uint8), q_expected.view(torch.uint8))
+            assert sf.stride() == sf_expected.stride() and torch.equal(sf, sf_expected)
+            only = qb.per_block_cast_with_sf_only(pair, fmt, block, x_block_size=x_block, **flags)
+            assert torch.equal(only, sf_expected)
+            given = qb.per_block_cast_with_precomputed_sf(pair, fmt, block, sf, x_block_size=x_block, **flags)
+            given_expected = qb.per_block_cast_with_precomputed_sf(dequantized, fmt, block, sf, **flags)
+            assert torch.equal(given.view(torch.uint8), given_expected.view(torch.uint8))
+            if flags:  # power-of-two scales: 1/sf is the cast's own multiplier, so the same bytes
+                assert torch.equal(given.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_per_block_requantization_validation():
+    pair = rq.per_token_cast(torch.randn(4, 66), "e4m3", 64)
+    with pytest.raises(TypeError, match="x_block_size must be a"):
+        qb.per_block_cast(pair, "e4m3", (32, 32))
+    with pytest.raises(ValueError, match=r"x\[1\] must have shape"):
+        qb.per_block_cast(pair, "e4m3", (32, 32), x_block_size=(32, 32))
+    with pytest.raises(ValueError, match="must be even"):
+        qb.per_block_cast(
+            (pair[0][:, :65], rq.per_token_cast(torch.randn(4, 65), "e4m3", 65)[1]),
+            "e2m1",
+            (32, 32),
+            x_block_size=(1, 65),
+        )
+    with pytest.raises(ValueError, match="block_size must be"):
+        qb.per_block_cast(pair, "e4m3", (64, 64), x_block_size=(1, 64))
+
+
+# ---------------------------------------------------------------------------------------------
+# per_channel_cast_fused
+# ---------------------------------------------------------------------------------------------
+
+
+def loop_per_channel(rows: list[list[float]], hidden: int, num_per_tokens: int, round_sf: bool):
+    """The per-channel cast of fp32 rows, column block by column block, in Python fp32 arithmetic."""
+    scales = []
+    products = [[0.0] * hidden for _ in rows]
+    for start in range(0, len(rows), num_per_tokens):
+        block = range(start, min(start + num_per_tokens, len(rows)))  # only the rows that exist
+        scale_row = []
+        for h in range(hidden):
+            amax = max(max(abs(rows[r][h]) for r in block), f32(1e-4))
+            if round_sf:
+                mantissa, exponent = math.frexp(f32(amax / 448.0))
+                scale = 2.0 ** (exponent - 1) if mantissa == 0.5 else 2.0**exponent
+                multiplier = 1.0 / scale
+            else:
+                scale, multiplier = f32(amax / 448.0), f32(448.0 / amax)
+            scale_row.append(scale)
+            for r in block:
+                products[r][h] = f32(rows[r][h] * multiplier)
+        scales.append(scale_row)
+    return products, scales
+
+
+def gathered_rows(values: torch.Tensor, pos: list[int]) -> list[list[float]]:
+    hidden = values.shape[1]
+    return [values[p].tolist() if p >= 0 else [0.0] * hidden for p in pos]
+
+
+def check_fused(q, sf, rows, hidden, round_sf):
+    products, scales = loop_per_channel(rows, hidden, 128, round_sf)
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (len(rows), hidden) and q.is_contiguous()
+    assert sf.dtype == torch.float32 and tuple(sf.shape) == (ceil_div(len(rows), 128), hidden) and sf.is_contiguous()
+    assert sf.tolist() == scales
+    expected = rq.encode_e4m3(torch.tensor(products, dtype=torch.float32).reshape(len(rows), hidden))
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_per_channel_cast_fused_gathers_rows_including_padding_and_partial_blocks(round_sf, generator):
+    hidden = 6
+    for tokens, num_rows in [(50, 200), (7, 129), (50, 16), (3, 1), (9, 0), (0, 5)]:
+        x = torch.randn(tokens, hidden, generator=generator) * torch.exp2(
+            torch.randint(-4, 5, (tokens, 1), generator=generator)
+        )
+        pos = torch.randint(-1, tokens, (num_rows,), generator=generator, dtype=torch.int32)
+        if num_rows > 2:
+            pos[-1] = -1  # a padding row in the partial last block
+        q, sf = qb.per_channel_cast_fused(x.bfloat16(), "e4m3", 128, round_sf=round_sf, pos_to_token=pos)
+        rows = gathered_rows(x.bfloat16().float(), pos.tolist())
+        check_fused(q, sf, rows, hidden, round_sf)
+        padding = (pos < 0).nonzero().flatten()
+        assert torch.all(q.view(torch.uint8)[padding] == 0x00)  # +0
+
+
+@pytest.mark.parametrize("layout", ["row_major", "col_major", "packed_ue8m0"])
+def test_per_channel_cast_fused_dequantizes_a_1x128_input(layout, generator):
+    tokens, hidden = 40, 256
+    x = torch.randn(tokens, hidden, generator=generator) * torch.exp2(
+        torch.randint(-6, 6, (tokens, 2), generator=generator)
+    ).repeat_interleave(128, 1)
+    flags = {"col_major": {"use_tma_aligned_col_major_sf": True}, "packed_ue8m0": {"use_packed_ue8m0": True}}.get(
+        layout, {}
+    )
+    pair = rq.per_token_cast(x, "e4m3", 128, **flags)
+    dequantized = block_loop_dequantize(*pair, "e4m3", 1, 128)
+    pos = torch.tensor([5, -1, 0, 39, 5] * 27 + [-1], dtype=torch.int32)  # 136 rows: a partial block of 8
+    q, sf = qb.per_channel_cast_fused(pair, "e4m3", 128, num_per_channels=128, pos_to_token=pos)
+    expected_q, expected_sf = qb.per_channel_cast(_rows_tensor(gathered_rows(dequantized, pos.tolist())), "e4m3", 128)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)) and torch.equal(sf, expected_sf)
+    q, sf = qb.per_channel_cast_fused(pair, "e4m3", num_per_channels=128)  # no gather: P = T
+    expected_q, expected_sf = qb.per_channel_cast(dequantized, "e4m3", 128)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)) and torch.equal(sf, expected_sf)
+
+
+def _rows_tensor(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_per_channel_cast_fused_without_gather_is_per_channel_cast(generator):
+    for tokens in (256, 300, 1):
+        x = torch.randn(tokens, 64, generator=generator)
+        q, sf = qb.per_channel_cast_fused(x, "e4m3")
+        expected_q, expected_sf = qb.per_channel_cast(x, "e4m3", 128)
+        assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)) and torch.equal(sf, expected_sf)
+
+
+def test_per_channel_cast_fused_validation():
+    x = torch.randn(8, 128)
+    pair = rq.per_token_cast(x, "e4m3", 128)
+    pos = torch.zeros(4, dtype=torch.int32)
+    cases = [
+        (lambda: qb.per_channel_cast_fused(x, "e2m1"), ValueError, "fmt must be one of"),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", 32), ValueError, "num_per_tokens must be one of"),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", round_sf=1), TypeError, "round_sf"),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", num_per_channels=128), ValueError, "must be None for a plain"),
+        (lambda: qb.per_channel_cast_fused(pair, "e4m3"), ValueError, "num_per_channels must be 128"),
+        (
+            lambda: qb.per_channel_cast_fused(pair, "e4m3", num_per_channels=64),
+            ValueError,
+            "num_per_channels must be 128",
+        ),
+        (
+            lambda: qb.per_channel_cast_fused(rq.per_token_cast(x, "e2m1", 128), "e4m3", num_per_channels=128),
+            TypeError,
+            r"x\[0\] must have dtype in \(float8_e4m3fn\)",
+        ),
+        (lambda: qb.per_channel_cast_fused(x.half(), "e4m3"), TypeError, "x must have dtype"),
+        (
+            lambda: qb.per_channel_cast_fused(x, "e4m3", pos_to_token=pos.long()),
+            TypeError,
+            "pos_to_token must have dtype",
+        ),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", pos_to_token=pos[None]), ValueError, "pos_to_token must be 1-D"),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", pos_to_token=pos + 8), ValueError, r"in \[-1, 8\)"),
+        (lambda: qb.per_channel_cast_fused(x, "e4m3", pos_to_token=pos - 2), ValueError, "got -2 at position 0"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# per_channel_cast_and_transpose
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_per_tokens", [32, 128])
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_per_channel_cast_and_transpose_is_the_transposed_per_channel_cast(num_per_tokens, round_sf, generator):
+    for tokens, hidden in [(0, 64), (1, 64), (33, 48), (300, 16)]:
+        x = (
+            torch.randn(tokens, hidden, generator=generator)
+            * torch.exp2(torch.randint(-6, 6, (1, hidden), generator=generator))
+        ).bfloat16()
+        q_t, sf = qb.per_channel_cast_and_transpose(x, "e4m3", num_per_tokens, round_sf=round_sf)
+        q, sf_expected = qb.per_channel_cast(x, "e4m3", num_per_tokens, round_sf=round_sf)
+        assert q_t.dtype == torch.float8_e4m3fn and tuple(q_t.shape) == (hidden, tokens) and q_t.is_contiguous()
+        assert torch.equal(sf, sf_expected) and sf.is_contiguous()
+        raw = q_t.view(torch.uint8).flatten().tolist()  # byte h·T + t holds the code of x[t, h]
+        codes = q.view(torch.uint8)
+        for t, h in [(0, 0), (tokens - 1, hidden - 1), (tokens // 2, hidden // 3)]:
+            if tokens:
+                assert raw[h * tokens + t] == int(codes[t, h])
+        assert torch.equal(q_t.view(torch.uint8), codes.T)
+
+
+def test_per_channel_cast_and_transpose_validation():
+    x = torch.randn(64, 64).bfloat16()
+    with pytest.raises(TypeError, match="x must have dtype in \\(bfloat16\\)"):
+        qb.per_channel_cast_and_transpose(x.float(), "e4m3", 32)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        qb.per_channel_cast_and_transpose(x, "e2m1", 32)
+    with pytest.raises(ValueError, match="num_per_tokens"):
+        qb.per_channel_cast_and_transpose(x, "e4m3", 64)
+    with pytest.raises(ValueError, match="unit stride"):
+        qb.per_channel_cast_and_transpose(x.T, "e4m3", 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# per_block_cast_lossless
+# ---------------------------------------------------------------------------------------------
+
+# Every e4m3 value, independently: subnormals k·2^-9, normals (1 + m/8)·2^(e-7), max 448.
+E4M3_EXACT = {Fraction(k, 2**9) for k in range(8)}
+E4M3_EXACT |= {(1 + Fraction(m, 8)) * Fraction(2) ** (e - 7) for e in range(1, 16) for m in range(8)} - {Fraction(480)}
+FP4_VALUES = [Fraction(v).limit_denominator() for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)]
+
+
+def fp4_value(code: int) -> Fraction:
+    return -FP4_VALUES[code & 7] if code & 8 else FP4_VALUES[code & 7]
+
+
+def pack_codes(codes: list[list[int]]) -> torch.Tensor:
+    """4-bit codes ``[T, H]`` → packed e2m1 int8 ``[T, H/2]``, element 2j in the low nibble."""
+    packed = [[row[j] | (row[j + 1] << 4) for j in range(0, len(row), 2)] for row in codes]
+    return torch.tensor(packed, dtype=torch.int32).to(torch.uint8).view(torch.int8)
+
+
+def power_of_two(exponents: list[list[int]]) -> torch.Tensor:
+    """fp32 scales 2^(E - 127) from biased exponents E (1..254)."""
+    return torch.tensor(exponents, dtype=torch.int32).mul(1 << 23).view(torch.float32)
+
+
+def assert_same_dequantized(pair_in, in_block, pair_out, out_block):
+    before = rq.cast_back(pair_in, "fp32", in_block)
+    after = rq.cast_back(pair_out, "fp32", out_block)
+    assert torch.equal(before.view(torch.int32), after.view(torch.int32))  # bit for bit, signs of zeros included
+
+
+def test_lossless_every_fp4_code_at_every_exponent_and_spread_up_to_14():
+    """Rows of one (1, 128) output block: input block 0 has the row's largest exponent, blocks 1-3
+    that minus a spread of 0..14; every block holds all 16 codes twice."""
+    all_codes = list(range(16)) * 2
+    rows, exponents = [], []
+    for largest in (1, 2, 5, 6, 7, 8, 9, 60, 127, 200, 254):
+        for spread in range(15):
+            if largest - spread >= 1:
+                rows.append(all_codes * 4)
+                exponents.append([largest] + [largest - spread] * 3)
+    data, sf = pack_codes(rows), power_of_two(exponents)
+    q, sf_out = qb.per_block_cast_lossless((data, sf), "e4m3", (1, 32), (1, 128))
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (len(rows), 128)
+    assert tuple(sf_out.shape) == (len(rows), 1) and sf_out.dtype == torch.float32
+    decoded = q.float().tolist()
+    for r, (row, block_exponents) in enumerate(zip(rows, exponents, strict=True)):
+        e_out = max(block_exponents[0] - 6, 1)
+        assert sf_out[r, 0].item() == math.ldexp(1.0, e_out - 127)
+        for h, code in enumerate(row):
+            wanted = fp4_value(code) * Fraction(2) ** (block_exponents[h // 32] - e_out)
+            assert wanted in E4M3_EXACT or -wanted in E4M3_EXACT
+            assert Fraction(decoded[r][h]) == wanted
+            assert math.copysign(1.0, decoded[r][h]) == (-1.0 if code & 8 else 1.0)  # -0 stays -0 (0x80)
+    assert_same_dequantized((data, sf), (1, 32), (q, sf_out), (1, 128))
+
+
+def test_lossless_beyond_spread_14_accepts_exactly_the_values_e4m3_holds():
+    for spread in (15, 16, 17, 30, 200):
+        for code in range(16):
+            # Block 0 (largest exponent 220) holds a 6; block 1 (exponent 220 - spread) the code.
+            row = [7] + [0] * 31 + [code] + [0] * 31
+            pair = (pack_codes([row]), power_of_two([[220, 220 - spread]]))
+            wanted = abs(fp4_value(code)) * Fraction(2) ** (6 - spread)
+            if wanted in E4M3_EXACT:
+                q, sf_out = qb.per_block_cast_lossless(pair, "e4m3", (1, 32), (1, 64))
+                assert Fraction(q.float()[0, 32].item()) == fp4_value(code) * Fraction(2) ** (6 - spread)
+                assert_same_dequantized(pair, (1, 32), (q, sf_out), (1, 64))
+            else:
+                with pytest.raises(ValueError, match=rf"element \[0, 32\] .* {spread} below the largest"):
+                    qb.per_block_cast_lossless(pair, "e4m3", (1, 32), (1, 64))
+
+
+LOSSLESS_OUT_BLOCKS = [(1, 32), (1, 128), (32, 32), (128, 128), (32, 128), (128, 32)]
+LOSSLESS_LAYOUTS = {
+    "row_major": {},
+    "col_major": {"use_tma_aligned_col_major_sf": True},
+    "packed": {"use_packed_ue8m0": True, "use_tma_aligned_col_major_sf": True},
+}
+
+
+@pytest.mark.parametrize("out_block", LOSSLESS_OUT_BLOCKS, ids=str)
+def test_lossless_on_cast_outputs_all_layouts_and_tails(out_block, generator):
+    for tokens, hidden in [(0, 64), (1, 32), (33, 96), (130, 160)]:
+        x = torch.randn(tokens, hidden, generator=generator) * torch.exp2(
+            torch.randint(-3, 4, (tokens, 1), generator=generator)
+        )
+        if tokens > 2:
+            x[1] = 0.0  # all-zero input blocks: scale 2^-126, far below their neighbours, and exact
+        names = list(LOSSLESS_LAYOUTS)
+        for i, in_name in enumerate(names):
+            pair = rq.per_token_cast(x, "e2m1", 32, round_sf=True, **LOSSLESS_LAYOUTS[in_name])
+            for out_name in (names[i], names[(i + 1 + tokens) % 3]):  # every layout in and out, in turn
+                out_flags = LOSSLESS_LAYOUTS[out_name]
+                q, sf = qb.per_block_cast_lossless(pair, "e4m3", (1, 32), out_block, **out_flags)
+                layout = ScaleLayout.from_flags(out_name != "row_major", out_name == "packed")
+                rows, kblocks = ceil_div(tokens, out_block[0]), ceil_div(hidden, out_block[1])
+                empty = layout.empty(rows, kblocks, "cpu")
+                assert sf.dtype == empty.dtype and sf.shape == empty.shape, (in_name, out_name)
+                if tokens:
+                    assert sf.stride() == empty.stride()
+                assert_same_dequantized(pair, (1, 32), (q, sf), out_block)
+                scales = rq.scales_from_layout(sf, kblocks)
+                assert torch.all((scales.view(torch.int32) & 0x807FFFFF) == 0)  # positive powers of two
+
+
+def test_lossless_packed_scale_bytes():
+    pair = (pack_codes([[7] * 32 + [1] * 32]), power_of_two([[140, 131]]))
+    q, sf = qb.per_block_cast_lossless(pair, "e4m3", (1, 32), (1, 32), use_packed_ue8m0=True)
+    # E_out = max(E_in) - 6 for each (1, 32) block on its own: 134 and 125.
+    assert sf.dtype == torch.int32 and int(sf[0, 0]) & 0xFFFFFFFF == (125 << 8) | 134
+    assert q.float()[0, 0].item() == 384.0 and q.float()[0, 32].item() == 32.0  # 6·2^6, 0.5·2^6
+
+
+def test_lossless_validation():
+    good = (pack_codes([[1] * 64]), power_of_two([[127, 127]]))
+    cases = [
+        (good, "e2m1", (1, 32), (1, 64), {}, ValueError, "fmt must be one of"),
+        (
+            (good[0].view(torch.uint8).view(torch.float8_e4m3fn), good[1]),
+            "e4m3",
+            (1, 32),
+            (1, 64),
+            {},
+            TypeError,
+            r"x\[0\] must have dtype in \(int8\)",
+        ),
+        (
+            (good[0], torch.tensor([[1.0, 0.75]])),
+            "e4m3",
+            (1, 32),
+            (1, 64),
+            {},
+            ValueError,
+            r"powers of two .* scale \[0, 1\] is 0.75",
+        ),
+        ((good[0], torch.tensor([[1.0, -1.0]])), "e4m3", (1, 32), (1, 64), {}, ValueError, "powers of two"),
+        ((good[0], torch.tensor([[1.0, 0.0]])), "e4m3", (1, 32), (1, 64), {}, ValueError, "powers of two"),
+        ((good[0], torch.tensor([[1.0, math.nan]])), "e4m3", (1, 32), (1, 64), {}, ValueError, "powers of two"),
+        ((good[0], torch.tensor([[2.0**-127, 1.0]])), "e4m3", (1, 32), (1, 64), {}, ValueError, "powers of two"),
+        ((good[0], torch.tensor([[0xFF7F]], dtype=torch.int32)), "e4m3", (1, 32), (1, 64), {}, ValueError, "is nan"),
+        ((good[0], good[1][:, :1]), "e4m3", (1, 64), (1, 32), {}, ValueError, "must be a multiple of x_block_size"),
+        (good, "e4m3", (1, 32), (64, 64), {}, ValueError, "out_block_size must be"),
+        (good, "e4m3", (1, 32), None, {}, TypeError, "out_block_size must be a"),
+        (good, "e4m3", None, (1, 64), {}, TypeError, "x_block_size must be a"),
+        (good, "e4m3", (1, 32), (1, 64), {"round_sf": "yes"}, TypeError, "round_sf"),
+    ]
+    for x, fmt, in_block, out_block, flags, error, match in cases:
+        with pytest.raises(error, match=match):
+            qb.per_block_cast_lossless(x, fmt, in_block, out_block, **flags)
+    q, sf = qb.per_block_cast_lossless(good, "e4m3", (1, 32), (1, 64), round_sf=True)  # round_sf: no effect
+    assert sf.item() == 2.0**-6 and q.float()[0, 0].item() == 32.0
