@@ -30,7 +30,12 @@ from .policy import Check, Policy
 TIERS = ("quick", "full")
 
 # Importing one of these registers its operators.
-FAMILY_MODULES = ("tileproof.oracle.quant",)
+FAMILY_MODULES = (
+    "tileproof.oracle.quant",
+    "tileproof.oracle.quant_blocks",
+    "tileproof.oracle.moe",
+    "tileproof.oracle.transpose",
+)
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,10 @@ class OpSpec(ABC):
         """The reference twin's function."""
 
     @abstractmethod
-    def optimized(self) -> Callable:
-        """The optimized twin's function, imported on demand (this may raise)."""
+    def optimized(self) -> Callable | None:
+        """The optimized twin's function, imported on demand (this may raise), or None while the
+        operator has no optimized twin yet: the oracle then runs the reference and its self-checks
+        only ("reference only"), skips the compile pass and the comparison, and still exits 0."""
 
     @abstractmethod
     def bytes_moved(self, case: Case) -> int:
@@ -117,6 +124,13 @@ class OpSpec(ABC):
     def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
         """Sanity checks of the reference's own outputs (documented shapes, round trips)."""
         return []
+
+    def reference_float64(self, case: Case, call: Call) -> tuple[torch.Tensor | None, ...] | None:
+        """The reference's outputs computed in float64 (inputs upcast), one per output (None for an
+        output without a float64 value), or None when the operator has none. ``RelativeError``
+        outputs are measured against these (``expected64``); the oracle also holds the native
+        reference to the same bound against them, on every case, CPU included."""
+        return None
 
     def compile_group(self, case: Case) -> Hashable | None:
         """A hint: cases with the same group most likely need the same compiled kernels (the

@@ -15,11 +15,11 @@ from rich.text import Text
 
 from .policy import ERROR, FAIL, PASS, Check
 from .registry import get_op
-from .runner import CaseResult, Report, policies
+from .runner import GRID_CHECK, OPTIMIZED, REFERENCE_ONLY, CaseResult, Report, outcome_counts, policies
 from .timing import geomean
 
 SCHEMA = "tileproof-oracle/1"
-_STATUS_STYLE = {PASS: "green", FAIL: "bold red", ERROR: "bold magenta"}
+_STATUS_STYLE = {PASS: "green", FAIL: "bold red", ERROR: "bold magenta", REFERENCE_ONLY: "cyan"}
 
 ENVIRONMENT_ROWS = [
     ("date_utc", "date (UTC)"),
@@ -63,6 +63,11 @@ def short_label(result: CaseResult) -> str:
     return label[len(prefix) :] if label.startswith(prefix) else label
 
 
+def status_text(result: CaseResult) -> str:
+    """PASS, FAIL, ERROR, or REFERENCE ONLY for a passing case whose operator the twin lacks."""
+    return result.outcome.upper()
+
+
 def headline(result: CaseResult) -> str:
     """The metrics and bounds of a case, in one line: the failures if any, else what passed."""
     bad = result.failures
@@ -71,10 +76,13 @@ def headline(result: CaseResult) -> str:
     output_names = {output.name for output in get_op(result.case.op).outputs}
     compared = [c for c in result.checks if c.name in output_names and c.status == PASS]
     if compared:  # GPU: the optimized outputs against the reference
-        return ", ".join(f"{c.name} {c.metric}" for c in compared) + f" [{compared[0].policy}]"
+        text = ", ".join(f"{c.name} {c.metric}" for c in compared) + f" [{compared[0].policy}]"
+        grid = [c for c in result.checks if c.name == GRID_CHECK and c.status == PASS]
+        return text + (f"; grid-size independent ({grid[0].metric})" if grid else "")
     # CPU: the reference's value checks (round trip, cross-op identities), then the compile.
     quiet = ("reference layout", "compile (optimized)")
-    parts = [
+    parts = [f"reference only ({result.reference_only})"] if result.reference_only else []
+    parts += [
         f"{c.name.removeprefix('reference ')} {c.metric} [{c.policy}]"
         for c in result.checks
         if c.status == PASS and c.name not in quiet
@@ -102,10 +110,22 @@ def _speedup(value: float | None) -> str:
 def _verdict(report: Report) -> str:
     counts = report.counts()
     total = len(report.results)
+    only = f"; {counts[REFERENCE_ONLY]} of them reference only" if counts[REFERENCE_ONLY] else ""
     if report.exit_status == 0:
-        checked = "compared with the reference on the GPU" if report.gpu else "reference-checked and compiled"
-        return f"all {total} cases pass ({checked})"
-    return f"{counts[FAIL]} failed and {counts[ERROR]} errors among {total} cases"
+        other = report.twin != OPTIMIZED.name
+        if report.compared:
+            where = "on the GPU" if report.gpu else "on the CPU"
+            checked = (
+                f"{report.twin} compared with the reference {where}"
+                if other
+                else f"compared with the reference {where}"
+            )
+        else:
+            checked = "reference-checked and compiled" + (
+                f"; {report.twin} not compared without a GPU" if other else ""
+            )
+        return f"all {total} cases pass ({checked}){only}"
+    return f"{counts[FAIL]} failed and {counts[ERROR]} errors among {total} cases{only}"
 
 
 def _device_text(report: Report) -> str:
@@ -142,20 +162,25 @@ def _timed(report: Report) -> list[CaseResult]:
 
 def print_report(report: Report, console: Console, *, verbose: bool = False) -> None:
     env = report.environment
+    target = f"  kernels for {env['compile_target']}" if env.get("compile_target") else ""
     console.print(
         f"[bold]tileproof oracle[/]  profile [cyan]{report.profile}[/]  seed {report.seed}  "
-        f"{_device_text(report)}  kernels for {env.get('compile_target') or '?'}"
+        f"{_device_text(report)}{target}"
     )
+    if report.twin != OPTIMIZED.name:
+        console.print(f"checked against [bold]{escape(report.twin)}[/]")
     for note in report.notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
 
     summary = Table(title="by operator", title_justify="left")
-    for column in ("operator", "cases", "pass", "fail", "error", "timed"):
+    for column in ("operator", "cases", "pass", "fail", "error", "reference only", "timed"):
         summary.add_column(column, justify="left" if column == "operator" else "right")
     for op, results in _by_op(report).items():
-        counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, ERROR)}
+        counts = outcome_counts(results)
         timed = sum(r.timing is not None for r in results)
-        summary.add_row(op, str(len(results)), str(counts[PASS]), str(counts[FAIL]), str(counts[ERROR]), str(timed))
+        summary.add_row(
+            op, str(len(results)), *(str(counts[s]) for s in (PASS, FAIL, ERROR, REFERENCE_ONLY)), str(timed)
+        )
     console.print(summary)
 
     shown = report.results if verbose else [r for r in report.results if r.status != PASS or r.timing]
@@ -172,7 +197,7 @@ def print_report(report: Report, console: Console, *, verbose: bool = False) -> 
             table.add_row(
                 result.case.op,
                 Text(short_label(result)),
-                Text(result.status.upper(), style=_STATUS_STYLE[result.status]),
+                Text(status_text(result), style=_STATUS_STYLE[result.outcome]),
                 Text(headline(result)),
                 _number(t.optimized_us) if t else "",
                 _number(t.gbps, 0) if t else "",
@@ -224,8 +249,11 @@ def report_dict(report: Report) -> dict:
             "profile": report.profile,
             "seed": report.seed,
             "gpu": report.gpu,
+            "compared": report.compared,
             "timing": report.timing,
             "ops": report.ops,
+            "twin": report.twin,
+            "sm_limit": report.sm_limit,
             "command": report.command,
             "notes": report.notes,
         },
@@ -234,6 +262,10 @@ def report_dict(report: Report) -> dict:
             "pass": counts[PASS],
             "fail": counts[FAIL],
             "error": counts[ERROR],
+            "reference_only": counts[REFERENCE_ONLY],
+            "reference_only_ops": [
+                op for op, results in _by_op(report).items() if all(r.reference_only for r in results)
+            ],
             "exit_status": report.exit_status,
             "geomean_speedups": _family_speedups(report),
         },
@@ -254,6 +286,7 @@ def _case_dict(result: CaseResult) -> dict:
         "params": params,
         "seed": result.seed,
         "status": result.status,
+        "reference_only": result.reference_only or None,
         "repro": result.repro,
         "checks": [dataclasses.asdict(check) for check in result.checks],
         "timing": result.timing.as_dict() if result.timing else None,
@@ -286,6 +319,8 @@ def markdown(report: Report) -> str:
     env = report.environment
     lines = [f"# tileproof oracle: `{report.profile}` profile", ""]
     lines += [f"**Result: {_verdict(report)}** (exit status {report.exit_status}) on {_device_text(report)}.", ""]
+    if report.twin != OPTIMIZED.name:
+        lines += [f"Checked against: {report.twin}.", ""]
     for note in report.notes:
         lines += [f"Note: {note}.", ""]
     lines += [f"Re-run: `{report.command}`", "", "## Environment", ""]
@@ -304,9 +339,14 @@ def markdown(report: Report) -> str:
         "outputs start as 0xFF bytes so that unwritten elements show, and every input's storage (padding "
         "included) must be unchanged. Cases of at most 2^20 input elements also compare the reference "
         "run on the CPU with the reference run on the GPU.",
-        "",
-        SELF_CHECKS,
     ]
+    if report.sm_limit:
+        lines += [
+            "",
+            f"Grid-size independence: every optimized case ran once more with `TILEPROOF_SM_LIMIT={report.sm_limit}` "
+            "and must give the same bytes as the unlimited run.",
+        ]
+    lines += ["", SELF_CHECKS]
 
     timed = _timed(report)
     if timed:
@@ -363,12 +403,12 @@ def markdown(report: Report) -> str:
     lines += ["", "## By operator", ""]
     rows = []
     for op, results in _by_op(report).items():
-        counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, ERROR)}
-        rows.append([f"`{op}`", len(results), counts[PASS], counts[FAIL], counts[ERROR]])
-    lines += _table(["operator", "cases", "pass", "fail", "error"], rows, "lrrrr")
+        counts = outcome_counts(results)
+        rows.append([f"`{op}`", len(results), *(counts[s] for s in (PASS, FAIL, ERROR, REFERENCE_ONLY))])
+    lines += _table(["operator", "cases", "pass", "fail", "error", "reference only"], rows, "lrrrrr")
 
     lines += ["", f"<details><summary>All {len(report.results)} cases</summary>", ""]
-    rows = [[f"`{r.case.op}`", f"`{short_label(r)}`", r.status.upper(), headline(r)] for r in report.results]
+    rows = [[f"`{r.case.op}`", f"`{short_label(r)}`", status_text(r), headline(r)] for r in report.results]
     lines += _table(["operator", "case", "status", "metric [bound]"], rows)
     lines += ["", "</details>", ""]
     return "\n".join(lines)
