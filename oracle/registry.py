@@ -35,6 +35,8 @@ FAMILY_MODULES = (
     "tileproof.oracle.quant_blocks",
     "tileproof.oracle.moe",
     "tileproof.oracle.transpose",
+    "tileproof.oracle.engram",
+    "tileproof.oracle.mhc",
 )
 
 

@@ -761,3 +761,29 @@ def test_no_compile_and_sm_limit_without_a_gpu(monkeypatch):
     assert "compile pass not run (--no-compile)" in built.notes
     assert any("needs a GPU" in note for note in built.notes)
     assert _statuses(built.results[0].checks)[runner.COMPILE_NAME] == policy.SKIP
+
+
+def test_reference_device_check_is_bitwise_for_bitwise_outputs_and_bounded_for_float_outputs():
+    """The CPU ≡ GPU reference check, fed 'GPU' outputs made on the CPU: a one-ulp change of a float
+    output under a relative-error policy passes (CPU and CUDA transcendentals differ in the last
+    bit; there the CPU reference is held to its bound against float64 instead, while the GPU
+    reference meets the same bound in its own self-check), the same change of a bitwise output fails."""
+    from tileproof.oracle.registry import case_seed, cases_of, get_op
+    from tileproof.oracle.runner import _generator, _reference_device_check
+
+    def one_ulp_up(tensor):
+        return torch.nextafter(tensor, torch.full_like(tensor, float("inf"))) if tensor.is_floating_point() else tensor
+
+    float_case = next(c for c in cases_of("mhc_post", "quick") if "x0" not in c.label and get_op(c.op))
+    op = get_op(float_case.op)
+    seed = case_seed(0, float_case.label)
+    outputs = op.split(op.build(float_case, torch.device("cpu"), _generator(seed))(op.reference()))
+    checks = _reference_device_check(float_case, seed, tuple(one_ulp_up(t) for t in outputs))
+    assert checks and all(check.ok for check in checks), checks
+
+    bitwise_case = next(c for c in cases_of("per_token_cast", "quick") if c.params.tokens > 1)
+    op = get_op(bitwise_case.op)
+    seed = case_seed(0, bitwise_case.label)
+    q, sf = op.split(op.build(bitwise_case, torch.device("cpu"), _generator(seed))(op.reference()))
+    checks = _reference_device_check(bitwise_case, seed, (q, one_ulp_up(sf)))
+    assert any(not check.ok for check in checks), checks
