@@ -1,10 +1,11 @@
 """The mHC family (contract §5) for the oracle: cases, inputs, policies, bytes, self-checks.
 
-Fourteen operators, each explicit backward its own: ``expand_to_mhc`` (+``_bwd``),
-``mhc_pre_norm_fn`` (+``_bwd``), ``mhc_pre_split_mixes`` (+``_bwd``), ``sinkhorn_normalize``
-(+``_bwd``), ``mhc_pre_apply_mix`` (+``_bwd``), ``mhc_post`` (+``_bwd``) and
-``mhc_head_compute_mix`` (+``_bwd``). (``mhc_pre_big_fuse`` and ``mhc_multilayer_recompute`` are
-registered elsewhere.) n = 4 streams everywhere, as in every DeepSeek model.
+Sixteen operators: ``expand_to_mhc`` (+``_bwd``), ``mhc_pre_norm_fn`` (+``_bwd``),
+``mhc_pre_split_mixes`` (+``_bwd``), ``sinkhorn_normalize`` (+``_bwd``), ``mhc_pre_apply_mix``
+(+``_bwd``), ``mhc_post`` (+``_bwd``) and ``mhc_head_compute_mix`` (+``_bwd``), each explicit
+backward its own; the inference fuse ``mhc_pre_big_fuse`` and the activation recomputation
+``mhc_multilayer_recompute``. n = 4 streams everywhere, as in every DeepSeek model. (The trainable
+layers built from these are ``oracle.modeling``'s.)
 
 Cases. Stream ops (those with a hidden size C): ``quick`` has T ∈ {0, 1, 37, 5 (strided), 3} with
 C ∈ {64, 128, 1280}; ``full`` has every T ∈ {0, 1, 4001, 8192} with every C ∈ {1280, 2560, 4096,
@@ -24,6 +25,13 @@ scales ``fn`` by 2^-⌈log2 √nC⌉; its backward scales the streams and the up
 2^-⌈log2 √T⌉ (rsqrt normalises the streams back) and fn by 2^-3 (m = 24 rows); the split and head
 backwards scale the upstream gradient by 2^-⌈log2 √T⌉ (their parameter gradients sum over T) and
 the mixes by 2^-3 (which also keeps |z| ≤ 4.5, the premise of the σ' bound).
+
+``mhc_pre_big_fuse`` runs the stream shapes with the norm-fn inputs (fn scaled by ½·2^-⌈log2 √nC⌉)
+and small scales α (see its bounds); its cases alternate γ, R 20 / 10, post_mult 2 / 1, pre_eps
+1e-6 / 1e-2 and n_splits 16 / 1. ``mhc_multilayer_recompute`` replays L = 1 .. 4 layers (``full``:
+4) with P = L or L − 1 posts on the stream shapes, from coefficients made as the split and Sinkhorn
+make them; its inputs are redrawn until no layer's short fp32 sum lies near a bf16 rounding
+boundary, which makes its outputs bitwise (see ``FRAGILE_MARGIN``).
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
 import torch
-from einops import rearrange, reduce
+from einops import einsum, rearrange, reduce
+from einops import repeat as repeat_tensor
 
 from tileproof.reference import mhc as reference
 
 from .floatops import (
     BF16_BOUND,
     F64,
+    LAMBDA,
     U32,
     U_TF32,
     FloatOp,
@@ -154,6 +164,9 @@ class MhcParams:
     weight: bool = False  # norm-fn: with a norm weight γ
     post_mult: float = 2.0  # split: the post multiplier (2 in the paper and V4; [TK]'s default 1)
     pre_eps: float = 1e-6  # split / head: added to the pre weights ([TK]'s split test: 1e-2)
+    n_splits: int = 0  # big fuse: the split-K factor passed through (no effect on the result)
+    layers: int = 0  # multilayer recompute: L, the layers replayed
+    posts: int = 0  # multilayer recompute: P ∈ {L − 1, L}, the layers whose post is replayed
 
     @property
     def width(self) -> int:
@@ -166,10 +179,14 @@ def _label(name: str, p: MhcParams) -> str:
         label += f"/C{p.hidden}"
     if p.repeat:
         label += f"/R{p.repeat}"
-    if name.startswith("mhc_pre_norm_fn"):
+    if p.layers:
+        label += f"/L{p.layers}/P{p.posts}"
+    if name.startswith(("mhc_pre_norm_fn", "mhc_pre_big_fuse")):
         label += ("/gamma" if p.weight else "/nogamma") + f"/eps{p.eps:g}"
-    if name.startswith("mhc_pre_split_mixes"):
+    if name.startswith(("mhc_pre_split_mixes", "mhc_pre_big_fuse")):
         label += f"/post{p.post_mult:g}/pre_eps{p.pre_eps:g}"
+    if p.n_splits:
+        label += f"/splits{p.n_splits}"
     return label + ("/strided" if p.pad else "")
 
 
@@ -889,6 +906,383 @@ class HeadMixBwd(MhcOp):
         return [_z_premise_check(f64(mix) * f64(scale) + f64(base))]
 
 
+# --- big fuse ---------------------------------------------------------------------------------
+
+# The fused kernel runs the norm-fn GEMM on tensor cores (fn read as TF32), so its mixes carry
+# mhc_pre_norm_fn's error, which the split, Sinkhorn and the pre-apply propagate. The cases keep
+# that propagation small and its premises checked: fn is scaled by ½·2^-⌈log2 √nC⌉, so every GEMM's
+# terms have a root-sum-square ≤ MIXES_RSS_MAX and |mixes| ≤ MIXES_MAX; the scales α = (s0, s1, s2)
+# are drawn from BIG_FUSE_SCALES (pre and comb near [mHC]'s initial α = 0.01).
+BIG_FUSE_SCALES = ((2.0**-5, 2.0**-4), (2.0**-2, 2.0**-1), (2.0**-5, 2.0**-4))  # s0 (pre), s1 (post), s2 (comb)
+MIXES_RSS_MAX = 0.75
+MIXES_MAX = 4.0
+# |δmixes| ≤ LAMBDA·(√nC·2^-24 + 2^-11 + 2·2^-24)·RSS (TF32 products, floatops' probabilistic
+# model) + (½·nC + 4)·2^-24·|mixes| (rsqrt of the positive Σx², as NORM_FN_BOUND): absolute, ≈ 5.3e-3.
+MIXES_ERROR = LAMBDA * (NC_MAX**0.5 * U32 + U_TF32 + 2 * U32) * MIXES_RSS_MAX + (0.5 * NC_MAX + 4) * U32 * MIXES_MAX
+# z = s·mixes + b moves by s·|δmixes|, and σ(z) by σ(1 − σ)·|δz|: at most |δz| relative (pre, post).
+BIG_FUSE_PRE_BOUND = BIG_FUSE_SCALES[0][1] * MIXES_ERROR + SIGMOID_BOUND
+BIG_FUSE_POST_BOUND = BIG_FUSE_SCALES[1][1] * MIXES_ERROR + SIGMOID_BOUND
+# Sinkhorn's gain Σ_j |∂comb[i, o] / ∂z_j| ≤ SINKHORN_GAIN_MAX·max(comb[i, o], 2^-10) (a premise,
+# checked per case through the explicit backward; ≈ 5 at most for these logits): comb moves by at
+# most the gain times s2·|δmixes| (first order: s2·|δmixes| ≤ 4e-4), plus Sinkhorn's own error.
+SINKHORN_GAIN_MAX = 6.0
+BIG_FUSE_COMB_BOUND = SINKHORN_GAIN_MAX * BIG_FUSE_SCALES[2][1] * MIXES_ERROR + SINKHORN_BOUND
+# layer_input = bf16(Σ_i pre_i·X_i): its rounding and fp32 sum (BF16_BOUND: 5·2^-24·Σ_i pre_i·|X_i|
+# ≤ 2^-12·atol), plus Σ_i |δpre_i|·|X_i| ≤ BIG_FUSE_PRE_BOUND·Σ_i pre_i·|X_i|, where a premise keeps
+# Σ_i pre_i·|X_i| ≤ PRE_SUM_MAX·atol (atol 1, the streams' scale: the sum may cancel).
+PRE_SUM_MAX = 16.0
+BIG_FUSE_LAYER_INPUT_BOUND = BF16_BOUND + BIG_FUSE_PRE_BOUND * PRE_SUM_MAX
+SINKHORN_EPS = 1e-6  # the fused path's Sinkhorn eps (DeepSeek's)
+
+
+def _premise_check(name: str, worst: float, limit: float) -> Check:
+    """A premise of a bound: ``worst`` (measured on the case, float64) is at most ``limit``."""
+    ok = worst <= limit
+    return _check_text(f"premise {name} ≤ {limit:g}", ok, "premise", f"{worst:.3g}", f"reaches {worst:.3g}")
+
+
+def _sinkhorn_gain(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """``Σ_j |∂comb[t, i, o] / ∂logits[t, j]| / max(comb[t, i, o], 2^-10)`` in float64: the rows of
+    each token's n² × n² Jacobian, one explicit backward per (i, o)."""
+    logits = f64(logits)
+    comb = reference.sinkhorn_forward_math(logits, repeat, eps)
+    # All n² backward passes in one call: the tokens repeated once per (i, o), each with its one-hot.
+    one_hot = torch.eye(N * N, dtype=F64, device=logits.device)
+    one_hots = repeat_tensor(one_hot, "k (i o) -> (k t) i o", t=logits.shape[0], i=N)
+    rows = reference.sinkhorn_backward_math(one_hots, repeat_tensor(logits, "t i o -> (k t) i o", k=N * N), repeat, eps)
+    gain = rearrange(reduce(rows.abs(), "(k t) i o -> t k", "sum", k=N * N), "t (i o) -> t i o", i=N)
+    return gain / torch.clamp(comb, min=2.0**-10)
+
+
+class BigFuse(MhcOp):
+    outputs = (
+        Output(
+            "post_mix",
+            RelativeError(BIG_FUSE_POST_BOUND),
+            "post_mult·σ(s1·mixes + b) with mixes carrying the TF32 GEMM's error (≤ 5.3e-3 absolute: |mixes| ≤ 4, "
+            "terms' RSS ≤ 0.75, premises checked): σ moves by ≤ s1·5.3e-3 relative, s1 ≤ 2^-1",
+        ),
+        Output(
+            "comb_mix",
+            RelativeError(BIG_FUSE_COMB_BOUND, atol=2.0**-10),
+            "Sinkhorn of s2·mixes + b: the mixes' error (≤ 5.3e-3) times s2 ≤ 2^-4 times Sinkhorn's gain ≤ 6 "
+            "(premise, checked), plus Sinkhorn's own error; atol 2^-10 as sinkhorn_normalize",
+        ),
+        Output(
+            "layer_input",
+            RelativeError(BIG_FUSE_LAYER_INPUT_BOUND, atol=1.0),
+            "bf16(Σ_i pre_i·X_i): 2^-8 rounding + fp32 room, plus the pre weights' error (≤ 2^-4·5.3e-3 relative: "
+            "s0 ≤ 2^-4) times Σ_i pre_i·|X_i| ≤ 16 (premise); atol 1, the streams' scale, for cancellations",
+        ),
+    )
+
+    def variants(self, p, index):
+        even = index % 2 == 0
+        return [
+            replace(
+                p,
+                weight=even,
+                repeat=20 if even else 10,
+                post_mult=2.0 if even else 1.0,
+                pre_eps=1e-6 if even else 1e-2,
+                n_splits=16 if even else 1,
+            )
+        ]
+
+    def build(self, case, device, generator):
+        p: MhcParams = case.params
+        residual, fn, weight = _norm_fn_inputs(
+            p, device, generator, fn_scale=0.5 * inverse_sqrt_pow2(p.width), stream_scale=1.0, zero_token=True
+        )
+
+        def scales():
+            return torch.cat([uniform((1,), generator, low, high) for low, high in BIG_FUSE_SCALES])
+
+        scale = _tensor((3,), F32, device, generator, scales)
+        base = _tensor((M,), F32, device, generator, lambda: uniform((M,), generator, -3.3, 3.3))
+        args = (residual, fn, scale, base, p.eps, p.pre_eps, SINKHORN_EPS, p.post_mult, p.repeat, p.n_splits)
+        return Call(args, {"mhc_norm_weight": weight})
+
+    def expected_layout(self, case):
+        p = case.params
+        return ((F32, (p.tokens, N)), (F32, (p.tokens, N, N)), (BF16, (p.tokens, p.hidden)))
+
+    def bytes_moved(self, case):
+        p = case.params
+        parameters = M * p.width * 4 + (p.width * 4 if p.weight else 0) + (3 + M) * 4
+        return p.tokens * (p.width * 2 + N * 4 + N * N * 4 + p.hidden * 2) + parameters
+
+    def float64_steps(self, call: Call) -> dict[str, torch.Tensor]:
+        """The four steps in float64 from the case's inputs, with what the premises measure."""
+        residual, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, _ = call.args
+        folded = _folded_fn64(fn, call.kwargs["mhc_norm_weight"])
+        x = f64(residual)
+        flat = rearrange(x, "t i c -> t (i c)")
+        mixes = reference.norm_fn_forward_math(flat, folded, rms_eps)
+        pre, post, logits = reference.split_mixes_forward_math(mixes, f64(scale), f64(base), N, post_mult, pre_eps)
+        normed = flat * torch.rsqrt(reduce(flat * flat, "t k -> t 1", "mean") + rms_eps)
+        return {
+            "mixes": mixes,
+            "rss": torch.sqrt((normed * normed) @ (folded * folded).T),  # of each GEMM's terms
+            "pre_sum": einsum(pre, x.abs(), "t i, t i c -> t c"),
+            "post": post,
+            "logits": logits,
+            "comb": reference.sinkhorn_forward_math(logits, repeat, sinkhorn_eps),
+            "layer_input": reference.apply_mix_forward_math(x, pre),
+        }
+
+    def reference_float64(self, case, call):
+        steps = self.float64_steps(call)
+        return steps["post"], steps["comb"], steps["layer_input"]
+
+    def extra_checks(self, case, call, outputs):
+        residual, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, _ = call.args
+        weight = call.kwargs["mhc_norm_weight"]
+        # The definition: the four operators run one by one give the same bits.
+        mixes = reference.mhc_pre_norm_fn(residual, fn, weight, rms_eps)
+        pre, post, logits = reference.mhc_pre_split_mixes(mixes, scale, base, N, post_mult, pre_eps)
+        comb = reference.sinkhorn_normalize(logits, repeat, sinkhorn_eps)
+        layer_input = reference.mhc_pre_apply_mix(residual, pre)
+        one_by_one = "≡ norm-fn → split → Sinkhorn → pre-apply, one by one"
+        checks = [
+            compare(f"{one_by_one}: {output.name}", actual, expected, Bitwise())
+            for output, actual, expected in zip(self.outputs, outputs, (post, comb, layer_input), strict=True)
+        ]
+        steps = self.float64_steps(call)
+
+        def worst(values: torch.Tensor) -> float:
+            return float(values.abs().max()) if values.numel() else 0.0
+
+        gain = _sinkhorn_gain(steps["logits"], repeat, sinkhorn_eps)
+        checks += [
+            _premise_check("|mixes|", worst(steps["mixes"]), MIXES_MAX),
+            _premise_check("RSS of the GEMM's terms", worst(steps["rss"]), MIXES_RSS_MAX),
+            _premise_check("Σ_i pre_i·|X_i|", worst(steps["pre_sum"]), PRE_SUM_MAX),
+            _premise_check("Sinkhorn gain", worst(gain), SINKHORN_GAIN_MAX),
+        ]
+        return checks
+
+
+# --- multilayer recompute ---------------------------------------------------------------------
+
+# Each output element of a layer is a short fp32 sum of K ≤ n + 1 products (layer input: n, next
+# residual: n + 1) rounded once to bf16; in any order, with or without FMA, the fp32 value is within
+# (K + 1)·2^-24·Σ|terms| of the exact sum. The cases redraw their inputs (the first residual's
+# column, or a sublayer output element) until every layer's exact value lies more than
+# FRAGILE_MARGIN·Σ|terms| from a bf16 rounding boundary (≈ 0.1 % of the elements are redrawn), so
+# every correct fp32 evaluation rounds every layer, the intermediate residuals included, to the
+# bits of the exact value: one right answer, and the contract's "bit-identical to the layers run one
+# by one" is a bitwise policy (a kernel that keeps X_{l+1} in fp32 between layers fails it).
+FRAGILE_MARGIN = 8 * U32
+# (L, P) of the cases, taken in turn along the stream shapes.
+RECOMPUTE_LAYERS = {"quick": ((2, 2), (1, 0), (4, 4), (3, 2), (2, 1)), "full": ((4, 4), (4, 3))}
+WHY_RECOMPUTE = (
+    "every element is an fp32 sum of ≤ n + 1 products rounded once to bf16, and the case's exact values lie more "
+    "than 8·2^-24·Σ|terms| from a bf16 rounding boundary (redrawn where not), beyond any evaluation order's "
+    "error: one right answer per layer, intermediate residuals rounded to bf16 as the unfused path stores them"
+)
+
+
+# Adding then subtracting 1.5·2^52 rounds a float64 of magnitude < 2^51 to an integer, half to even.
+_ROUND_TO_INTEGER = 1.5 * 2.0**52
+
+
+def _round_bf16(values: torch.Tensor) -> torch.Tensor:
+    """float64 → float64 on bf16's grid (8 significant bits), round half to even, in one exact step
+    (``.to(torch.bfloat16)`` from float64 may round twice, through fp32)."""
+    _, exponent = torch.frexp(values)  # values = m·2^e, |m| ∈ [½, 1): m·2^8 ∈ [128, 256) in magnitude
+    scale = torch.exp2((8 - exponent).to(F64))
+    return ((values * scale + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER) / scale
+
+
+def _near_boundary(value: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """Where some value within FRAGILE_MARGIN·magnitude of ``value`` rounds to another bf16 value."""
+    margin = FRAGILE_MARGIN * magnitude
+    return _round_bf16(value - margin) != _round_bf16(value + margin)
+
+
+def _layer_input_sum(streams: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ_i pre_i·X_i`` and ``Σ_i |pre_i·X_i|`` (float64 ``[T, C]``), stream by stream."""
+    value = torch.zeros_like(streams[:, 0])
+    magnitude = torch.zeros_like(value)
+    for i in range(streams.shape[1]):
+        term = f64(pre[:, i : i + 1]) * streams[:, i]
+        value, magnitude = value + term, magnitude + term.abs()
+    return value, magnitude
+
+
+def _residual_sum(streams, y, post, comb) -> tuple[torch.Tensor, torch.Tensor]:
+    """``post_o·y + Σ_i comb[i, o]·X_i`` and the sum of the terms' magnitudes (float64 ``[T, n, C]``)."""
+    value = rearrange(f64(post), "t o -> t o 1") * rearrange(f64(y), "t c -> t 1 c")
+    magnitude = value.abs()
+    for i in range(streams.shape[1]):
+        term = rearrange(f64(comb[:, i]), "t o -> t o 1") * streams[:, i : i + 1]
+        value, magnitude = value + term, magnitude + term.abs()
+    return value, magnitude
+
+
+def _replay_stage(stage: int, previous, x0, pres, ys, posts, combs):
+    """Stage s of the float64 replay: the streams X_s (X_0, or layer s − 1's residual rounded to bf16),
+    the exact values of stage s's outputs and where they lie near a rounding boundary ([T, C])."""
+    fragile = torch.zeros((x0.shape[0], x0.shape[2]), dtype=torch.bool, device=x0.device)
+    residual = None
+    if stage == 0:
+        streams = f64(x0)
+    else:
+        value, magnitude = _residual_sum(previous, ys[stage - 1], posts[stage - 1], combs[stage - 1])
+        fragile |= _near_boundary(value, magnitude).any(dim=1)
+        residual, streams = value, _round_bf16(value)
+    layer_input = None
+    if stage < len(pres):
+        layer_input, magnitude = _layer_input_sum(streams, pres[stage])
+        fragile |= _near_boundary(layer_input, magnitude)
+    return streams, layer_input, residual, fragile
+
+
+def _replay64(x0, pres, ys, posts, combs):
+    """The contract's replay in float64: (exact layer inputs, exact residuals before their rounding,
+    [T, C] masks of the elements near a bf16 rounding boundary, one per stage)."""
+    layer_inputs, residuals, fragile = [], [], []
+    streams = None
+    for stage in range(len(ys) + 1):
+        streams, layer_input, residual, near = _replay_stage(stage, streams, x0, pres, ys, posts, combs)
+        layer_inputs += [layer_input] if layer_input is not None else []
+        residuals += [residual] if residual is not None else []
+        fragile.append(near)
+    return layer_inputs, residuals, fragile
+
+
+def _avoid_rounding_boundaries(x0, pres, ys, posts, combs, generator) -> None:
+    """Redraw (in place, N(0, 1) in bf16) the inputs of the columns (t, c) whose stage-s outputs lie
+    near a rounding boundary: X_0[t, :, c] for stage 0, else y_{s−1}[t, c]; stage by stage, since a
+    redraw changes only its stage and the later ones. The float64 arithmetic is elementwise in a fixed
+    order, so the same case redraws the same elements on any device."""
+    streams = None
+    for stage in range(len(ys) + 1):
+        for _ in range(100):
+            current, _, _, fragile = _replay_stage(stage, streams, x0, pres, ys, posts, combs)
+            if not bool(fragile.any()):
+                break
+            tokens, columns = fragile.nonzero(as_tuple=True)
+            count = tokens.numel()
+            if stage == 0:
+                x0[tokens, :, columns] = normal((count, N), generator).to(BF16).to(x0.device)
+            else:
+                ys[stage - 1][tokens, columns] = normal((count,), generator).to(BF16).to(x0.device)
+        else:
+            raise RuntimeError("could not draw inputs away from bf16 rounding boundaries")
+        streams = current
+
+
+class RecomputeCall(Call):
+    """``mhc_multilayer_recompute`` writes into its last two arguments (lists of buffers) and returns
+    None: each run gets fresh copies of the buffers, every byte 0xFF (bf16 NaN, so an element a twin
+    leaves unwritten fails), and returns them stacked: ``(layer inputs [L, T, C], residuals [P, T, n, C])``."""
+
+    def __call__(self, fn):
+        *inputs, layer_inputs, residuals = self.args
+        layer_inputs = [buffer.clone() for buffer in layer_inputs]
+        residuals = [buffer.clone() for buffer in residuals]
+        fn(*inputs, layer_inputs, residuals, **self.kwargs)
+        tokens, n, hidden = inputs[0].shape
+        device = inputs[0].device
+        stacked_residuals = (
+            torch.stack(residuals) if residuals else torch.empty((0, tokens, n, hidden), dtype=BF16, device=device)
+        )
+        return torch.stack(layer_inputs), stacked_residuals
+
+
+def _unwritten(shape, device) -> torch.Tensor:
+    """A bf16 buffer of ``shape`` whose every byte is 0xFF (NaN)."""
+    return torch.full(shape, -1, dtype=torch.int16, device=device).view(BF16)
+
+
+class MultilayerRecompute(MhcOp):
+    outputs = (Output("layer_inputs", Bitwise(), WHY_RECOMPUTE), Output("residuals", Bitwise(), WHY_RECOMPUTE))
+
+    def cases(self, tier):
+        shapes = [MhcParams(t, c, pad) for t, c, pad in STREAM_SHAPES[tier]]
+        layouts = RECOMPUTE_LAYERS[tier]
+        params = [
+            replace(shape, layers=layouts[i % len(layouts)][0], posts=layouts[i % len(layouts)][1])
+            for i, shape in enumerate(shapes)
+        ]
+        return [Case(self.name, _label(self.name, p), p) for p in params]
+
+    def kernel_group(self, case):
+        p: MhcParams = case.params
+        return None if p.tokens == 0 else (self.name, p.hidden, p.layers, p.posts, bool(p.pad))
+
+    def build(self, case, device, generator):
+        p: MhcParams = case.params
+        shape, stream_shape = (p.tokens, p.hidden), (p.tokens, N, p.hidden)
+        x0 = normal(stream_shape, generator).to(BF16).to(device) if generator is not None else None
+        pres, ys, posts, combs = [], [], [], []
+        for layer in range(p.layers):
+            pres.append(_pre_mix(p, device, generator))
+            if layer < p.posts:
+                ys.append(normal(shape, generator).to(BF16).to(device) if generator is not None else None)
+                posts.append(_post_mix(p, device, generator))
+                combs.append(_comb(p, device, generator))
+        if generator is not None:
+            _avoid_rounding_boundaries(x0, pres, ys, posts, combs, generator)
+        x0 = place(x0, stream_shape, BF16, device, p.pad)
+        ys = [place(y, shape, BF16, device, p.pad) for y in ys]
+        layer_inputs = [_unwritten(shape, device) for _ in range(p.layers)]
+        residuals = [_unwritten(stream_shape, device) for _ in range(p.posts)]
+        return RecomputeCall((x0, pres, ys, posts, combs, layer_inputs, residuals))
+
+    def expected_layout(self, case):
+        p = case.params
+        return ((BF16, (p.layers, p.tokens, p.hidden)), (BF16, (p.posts, p.tokens, N, p.hidden)))
+
+    def bytes_moved(self, case):
+        p = case.params
+        read = p.width * 2 + p.layers * N * 4 + p.posts * (p.hidden * 2 + N * 4 + N * N * 4)
+        written = p.layers * p.hidden * 2 + p.posts * p.width * 2
+        return p.tokens * (read + written)
+
+    def extra_checks(self, case, call, outputs):
+        x0, pres, ys, posts, combs, _, _ = call.args
+        layer_inputs, residuals = outputs
+        exact_inputs, exact_residuals, fragile = _replay64(x0, pres, ys, posts, combs)
+        near = sum(int(mask.sum()) for mask in fragile)
+        checks = [
+            _check_text(
+                "premise: no exact value within 8·2^-24·Σ|terms| of a bf16 boundary",
+                near == 0,
+                "premise",
+                f"{near} columns",
+                f"{near} (token, channel) columns lie near a rounding boundary",
+            )
+        ]
+
+        def stacked(values: list, like: torch.Tensor) -> torch.Tensor:
+            return torch.stack([_round_bf16(v).to(BF16) for v in values]) if values else torch.empty_like(like)
+
+        checks += [
+            compare(
+                "≡ float64 replay, rounded (layer inputs)", layer_inputs, stacked(exact_inputs, layer_inputs), Bitwise()
+            ),
+            compare("≡ float64 replay, rounded (residuals)", residuals, stacked(exact_residuals, residuals), Bitwise()),
+        ]
+        # The contract: bit-identical to mhc_pre_apply_mix and mhc_post run layer by layer.
+        streams, one_by_one_inputs, one_by_one_residuals = x0, [], []
+        for layer, pre in enumerate(pres):
+            one_by_one_inputs.append(reference.mhc_pre_apply_mix(streams, pre))
+            if layer < len(ys):
+                streams = reference.mhc_post(ys[layer], streams, posts[layer], combs[layer])
+                one_by_one_residuals.append(streams)
+        expected_residuals = (
+            torch.stack(one_by_one_residuals) if one_by_one_residuals else residuals.new_empty(residuals.shape)
+        )
+        checks += [
+            compare("≡ layers one by one (mhc_pre_apply_mix)", layer_inputs, torch.stack(one_by_one_inputs), Bitwise()),
+            compare("≡ layers one by one (mhc_post)", residuals, expected_residuals, Bitwise()),
+        ]
+        return checks
+
+
 # --- registration -----------------------------------------------------------------------------
 
 SPECS = (
@@ -906,6 +1300,8 @@ SPECS = (
     PostBwd("mhc_post_bwd"),
     HeadMix("mhc_head_compute_mix"),
     HeadMixBwd("mhc_head_compute_mix_bwd"),
+    BigFuse("mhc_pre_big_fuse"),
+    MultilayerRecompute("mhc_multilayer_recompute"),
 )
 OPS = tuple(spec.name for spec in SPECS)
 for _spec in SPECS:

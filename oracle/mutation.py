@@ -49,6 +49,7 @@ from rich.text import Text
 
 from tileproof.reference import quant as reference_quant
 from tileproof.reference.contract import CAST_FORMATS, E2M1_GRID, E4M3, ScaleLayout, ceil_div
+from tileproof.reference.mhc import apply_mix_forward_math, post_forward_math
 from tileproof.reference.quant import (
     decode_e5m6,
     encode_e2m1,
@@ -128,10 +129,6 @@ CATALOGUE: list[Mutant] = []
 KNOWN_GAPS = {
     "per_token_cast_with_precomputed_sf:e4m3-unsaturated": (
         "the oracle's given scales are per_token_cast_with_sf_only's own, so |x / sf| <= 448 and saturation never "
-        "acts; it needs a case whose given scales are smaller than the block's amax / 448 (e.g. halved)"
-    ),
-    "per_block_cast_with_precomputed_sf:e4m3-unsaturated": (
-        "the oracle's given scales are per_block_cast_with_sf_only's own, so |x / sf| <= 448 and saturation never "
         "acts; it needs a case whose given scales are smaller than the block's amax / 448 (e.g. halved)"
     ),
 }
@@ -632,6 +629,7 @@ def _example_block_precomputed(generator: torch.Generator) -> dict:
     "quant_blocks",
     "e4m3 is not saturated at 448: |x / sf| >= 464 becomes NaN (a conversion without satfinite)",
     _example_block_precomputed,
+    first=("*/e4m3/*/sf2^-2",),  # the cases whose given scales are a quarter of what the data needs
 )
 def _per_block_e4m3_unsaturated(fn, bound):
     q = _call(fn, bound)
@@ -1198,6 +1196,104 @@ def _example_head(generator: torch.Generator) -> dict:
 )
 def _head_scale_ignored(fn, bound):
     return _call(fn, bound, mhc_scale=torch.ones_like(bound.arguments["mhc_scale"]))
+
+
+def _example_big_fuse(generator: torch.Generator) -> dict:
+    tokens, streams, hidden = 3, 4, 8
+    mixes, width = streams * streams + 2 * streams, streams * hidden
+    residual = torch.randn((tokens, streams, hidden), generator=generator)
+    residual[1] = 0.0  # an all-zero token: only the RMS eps keeps its rstd finite
+    return {
+        "residual": residual.to(torch.bfloat16),
+        "fn": torch.randn((mixes, width), generator=generator) * 0.2,
+        "mhc_scale": torch.full((3,), 0.5),
+        "mhc_base": torch.randn(mixes, generator=generator),
+        "rms_eps": 1e-6,
+        "mhc_pre_eps": 1e-6,
+        "mhc_sinkhorn_eps": 1e-6,
+        "mhc_post_mult_value": 2.0,
+        "sinkhorn_repeat": 20,
+        "mhc_norm_weight": torch.rand(width, generator=generator) + 0.5,
+    }
+
+
+@mutant(
+    "mhc_pre_big_fuse",
+    "norm-weight-dropped",
+    "mhc",
+    "the norm weight γ is not folded into fn (as TileKernels' no-grad mhc_pre calls its fused kernel)",
+    _example_big_fuse,
+    first=("*/gamma/*",),
+)
+def _big_fuse_norm_weight_dropped(fn, bound):
+    return _call(fn, bound, mhc_norm_weight=None)
+
+
+@mutant(
+    "mhc_pre_big_fuse",
+    "rms-eps-dropped",
+    "mhc",
+    "the RMS eps is dropped: an all-zero token gives 0 · inf = NaN mixes, and NaN coefficients",
+    _example_big_fuse,
+)
+def _big_fuse_rms_eps_dropped(fn, bound):
+    return _call(fn, bound, rms_eps=0.0)
+
+
+def _example_recompute(generator: torch.Generator) -> dict:
+    tokens, streams, hidden, layers = 3, 4, 8, 3
+
+    def several(make: Callable) -> list:
+        return [make() for _ in range(layers)]
+
+    return {
+        "initial_residual": torch.randn((tokens, streams, hidden), generator=generator).to(torch.bfloat16),
+        "pre_mix_list": several(lambda: torch.rand((tokens, streams), generator=generator)),
+        "layer_output_list": several(lambda: torch.randn((tokens, hidden), generator=generator).to(torch.bfloat16)),
+        "post_mix_list": several(lambda: 2 * torch.rand((tokens, streams), generator=generator)),
+        # columns (over the source i) sum to 1, as after Sinkhorn
+        "comb_mix_list": several(
+            lambda: torch.softmax(torch.randn((tokens, streams, streams), generator=generator), 1)
+        ),
+        "layer_input_list": several(lambda: torch.zeros((tokens, hidden), dtype=torch.bfloat16)),
+        "residual_list": several(lambda: torch.zeros((tokens, streams, hidden), dtype=torch.bfloat16)),
+    }
+
+
+@mutant(
+    "mhc_multilayer_recompute",
+    "residual-kept-in-fp32",
+    "mhc",
+    "the residual X_{l+1} feeds layer l + 1 as its fp32 value, not rounded to bf16 as the unfused path stores it",
+    _example_recompute,
+)
+def _recompute_residual_kept_in_fp32(fn, bound):
+    _call(fn, bound)  # layer 0 is right; the later layers are recomputed from unrounded streams
+    pres, ys = bound.arguments["pre_mix_list"], bound.arguments["layer_output_list"]
+    posts, combs = bound.arguments["post_mix_list"], bound.arguments["comb_mix_list"]
+    layer_inputs, residuals = bound.arguments["layer_input_list"], bound.arguments["residual_list"]
+    streams = bound.arguments["initial_residual"].to(torch.float32)
+    for layer, pre in enumerate(pres):
+        layer_inputs[layer].copy_(apply_mix_forward_math(streams, pre).to(torch.bfloat16))
+        if layer < len(ys):
+            streams = post_forward_math(ys[layer].to(torch.float32), streams, posts[layer], combs[layer])
+            residuals[layer].copy_(streams.to(torch.bfloat16))
+
+
+@mutant(
+    "mhc_multilayer_recompute",
+    "last-post-skipped",
+    "mhc",
+    "the last layer's post is not replayed (an off-by-one over P): its residual buffer is never written",
+    _example_recompute,
+    first=("*/L4/P4*", "*/L2/P2*"),
+)
+def _recompute_last_post_skipped(fn, bound):
+    residuals = bound.arguments["residual_list"]
+    kept = residuals[-1].clone() if residuals else None
+    _call(fn, bound)
+    if kept is not None:
+        residuals[-1].copy_(kept)
 
 
 # ---------------------------------------------------------------------------------------------

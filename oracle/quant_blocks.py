@@ -17,6 +17,11 @@ Cases of each tier (both reach the same compile groups; ``full`` has larger shap
   not multiples of the blocks (tails in both dimensions) and strided rows; zero tokens; NaN and
   ±Inf; re-quantization of three kinds of quantized input (1×128 e4m3, 1×32 e2m1 with packed
   scales, 128×128 e4m3 with column-major scales), with strided data rows.
+  ``per_block_cast_with_precomputed_sf`` takes ``per_block_cast_with_sf_only``'s scales of the same
+  input, so |x / sf| never exceeds the format's maximum; five more cases (both formats, every scale
+  layout, a re-quantization) give it those scales divided by 4 (``sf_shift`` -2, exact in every
+  layout): even a power-of-two scale rounded up by almost 2 then maps a block's amax to at least
+  2·Qmax, so every block above the format's amax floor saturates at ±448 (e4m3) or ±6 (e2m1).
 - ``per_channel_cast``: (format, num_per_tokens, dtype, round_sf), tails, zero tokens, NaN/Inf.
 - ``per_channel_cast_fused``: plain and 1×128-quantized inputs (every scale layout), without and
   with a gather ``pos_to_token`` holding -1 (padding rows) and P not a multiple of 128 (P = 0, 1,
@@ -97,6 +102,7 @@ class BlockParams:
     source: str = ""  # "": x is a plain tensor; else a key of SOURCES: x is that quantized pair
     rows: int | None = None  # per_channel_cast_fused: P, the length of pos_to_token; None: no gather
     special: str = ""  # "naninf": NaN, +Inf and -Inf in the input
+    sf_shift: int = 0  # precomputed sf: the given scales are sf_only's times 2^sf_shift (< 0: saturation acts)
 
     @property
     def flag_kwargs(self) -> dict:
@@ -152,6 +158,29 @@ def _per_block_params(tier: str) -> list[BlockParams]:
         (("e4m3", (128, 128), "plain"), ("e2m1", (32, 32), "packed")),
     ):
         params.append(BlockParams(fmt, block, "bf16", flags, tokens, hidden, stride, source=source))
+    return params
+
+
+# Saturating cases of the precomputed-sf cast: (format, block, dtype, flags, shape index, source).
+SATURATING = [
+    ("e4m3", (32, 128), "bf16", "plain", 0, ""),
+    ("e4m3", (128, 128), "fp32", "packed", 2, ""),
+    ("e4m3", (32, 32), "bf16", "round+colmajor", 3, ""),
+    ("e2m1", (128, 32), "bf16", "colmajor", 4, ""),
+    ("e4m3", (128, 128), "bf16", "plain", 0, "e4m3-1x128"),
+]
+
+
+def _precomputed_params(tier: str) -> list[BlockParams]:
+    """The per-block cases, then the saturating ones: given scales a quarter of what the data needs."""
+    params = _per_block_params(tier)
+    shapes = BLOCK_SHAPES[tier]
+    for fmt, block, dtype, flags, index, source in SATURATING:
+        if source:
+            tokens, hidden, stride = REQUANT_SHAPE[tier]
+        else:
+            tokens, hidden, stride = shapes[index]
+        params.append(BlockParams(fmt, block, dtype, flags, tokens, hidden, stride, source=source, sf_shift=-2))
     return params
 
 
@@ -272,7 +301,7 @@ LARGE = {
 CASE_PARAMS: dict[str, Callable[[str], list[BlockParams]]] = {
     "per_block_cast": _per_block_params,
     "per_block_cast_with_sf_only": _per_block_params,
-    "per_block_cast_with_precomputed_sf": _per_block_params,
+    "per_block_cast_with_precomputed_sf": _precomputed_params,
     "per_channel_cast": _per_channel_params,
     "per_channel_cast_fused": _fused_params,
     "per_channel_cast_and_transpose": _transpose_params,
@@ -388,6 +417,7 @@ class BlockCastOp(OpSpec):
         if p.rows is not None:
             label += f"/P{p.rows}"
         label += f"/{p.flags}"
+        label += f"/sf2^{p.sf_shift}" if p.sf_shift else ""
         return label + (f"/{p.special}" if p.special else "")
 
     def cases(self, tier: str) -> list[Case]:
@@ -422,6 +452,7 @@ class BlockCastOp(OpSpec):
                     sf = p.layout.empty(rows, kblocks, device)
                 else:
                     sf = reference.per_block_cast_with_sf_only(x, p.fmt, p.block, x_block_size=x_block, **kwargs)
+                    sf = _shifted_scales(sf, p, kblocks)
                 args += (sf,)
             if x_block is not None:
                 kwargs["x_block_size"] = x_block
@@ -500,8 +531,14 @@ class BlockCastOp(OpSpec):
         if self.name == "per_block_cast_with_precomputed_sf":
             q, sf = outputs[0], call.args[3]
             restored = reference_quant.cast_back((q, sf), "fp32", p.block)
+            if p.sf_shift:
+                # Saturation: the round trip restores the source clamped to ±Qmax·sf, block by block.
+                limit = CAST_FORMATS[p.fmt].qmax * _per_element_scales(sf, p)
+                saturated = (source.abs() > limit).sum().item()
+                checks.append(Check("saturation acts", PASS if saturated else FAIL, "premise", f"{saturated} elements"))
+                source = torch.clamp(source, -limit, limit)
             checks.append(_round_trip_check(source, restored, p.block, ROUND_TRIP_BOUND[p.fmt]))
-            if p.round_sf and bool(torch.isfinite(source).all()):
+            if p.round_sf and not p.sf_shift and bool(torch.isfinite(source).all()):
                 # With power-of-two scales the multipliers are the exact 1/sf: the cast's own bytes.
                 expected, _ = reference.per_block_cast(x, p.fmt, p.block, **kwargs)
                 checks.append(compare("≡ per_block_cast's q (power-of-two sf)", q, expected, Bitwise()))
@@ -544,6 +581,20 @@ class BlockCastOp(OpSpec):
             if problem:
                 return Check("reference layout", FAIL, "documented layout", "", f"{output.name}: {problem}")
         return Check("reference layout", PASS, "documented layout", "ok")
+
+
+def _shifted_scales(sf: torch.Tensor, p: BlockParams, kblocks: int) -> torch.Tensor:
+    """The stored scales ``sf`` times ``2^p.sf_shift``, in the same layout (exact: a power of two)."""
+    if not p.sf_shift:
+        return sf
+    scales = reference_quant.scales_from_layout(sf, kblocks) * 2.0**p.sf_shift
+    return reference_quant.scales_to_layout(scales, p.layout)
+
+
+def _per_element_scales(sf: torch.Tensor, p: BlockParams) -> torch.Tensor:
+    """The scale of every element's block, fp32 ``[T, H]``."""
+    scales = reference_quant.scales_from_layout(sf, ceil_div(p.hidden, p.block[1]))
+    return reference_quant.expand_blocks(scales, p.block[0], p.block[1], p.tokens, p.hidden)
 
 
 def _round(kwargs: dict) -> dict:

@@ -37,6 +37,7 @@ FAMILY_MODULES = (
     "tileproof.oracle.transpose",
     "tileproof.oracle.engram",
     "tileproof.oracle.mhc",
+    "tileproof.oracle.modeling",
 )
 
 

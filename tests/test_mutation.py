@@ -153,6 +153,23 @@ def test_a_known_gap_survives_without_failing_the_self_test():
     assert "(1 known gap)" in mutation.family_line("quant", outcome.families()["quant"])
 
 
+def test_the_block_cast_saturation_gap_is_closed(seed):
+    """per_block_cast_with_precomputed_sf has cases whose given scales are a quarter of what the data
+    needs: saturation acts there, so a conversion without satfinite is killed, and the case's own
+    self-check (the round trip of the clamped source) fails the unsaturated bytes too."""
+    gap = _mutant("per_block_cast_with_precomputed_sf:e4m3-unsaturated")
+    assert gap.id not in KNOWN_GAPS
+    result = mutation.run_mutant(gap)
+    assert result.status == KILLED and result.killer.endswith("/sf2^-2")
+    spec = registry.get_op(gap.op)
+    case = next(c for c in registry.cases_of(gap.op, "quick") if c.label == result.killer)
+    call = spec.build(case, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    checks = {c.name: c.status for c in spec.self_check(case, call, spec.split(call(spec.reference())))}
+    assert checks["saturation acts"] == checks["reference round trip"] != FAIL
+    unsaturated = spec.split(call(gap.apply(spec.reference())))
+    assert {c.name: c.status for c in spec.self_check(case, call, unsaturated)}["reference round trip"] == FAIL
+
+
 def test_a_surviving_mutant_fails_the_self_test():
     harmless = mutation.Mutant(
         "per_token_cast", "no-bug", "quant", "plants nothing", lambda fn, bound: mutation._call(fn, bound), dict

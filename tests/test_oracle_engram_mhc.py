@@ -8,7 +8,8 @@ reference itself and fails an output moved past its bound, and the mutation cata
 bugs for these operators are all killed by the quick cases.
 
 The specs are registered into a copy of the registry for the duration of this module (the
-integrator adds the families to ``FAMILY_MODULES``; until then other tests see only theirs).
+integrator adds the families to ``FAMILY_MODULES``; until then other tests see only theirs). The
+inference fuse and the multilayer recompute have tests of their own at the end.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ MHC_OPS = (
     "mhc_post_bwd",
     "mhc_head_compute_mix",
     "mhc_head_compute_mix_bwd",
+    "mhc_pre_big_fuse",
+    "mhc_multilayer_recompute",
 )
 OPS = ENGRAM_OPS + MHC_OPS
 BITWISE_OUTPUTS = {("engram_hash", "rows"), ("fused_weight", "w"), ("expand_to_mhc", "out")}
+BITWISE_OUTPUTS |= {("mhc_multilayer_recompute", "layer_inputs"), ("mhc_multilayer_recompute", "residuals")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,7 +83,6 @@ def test_every_public_function_is_registered_once(families):
     for module in ("engram", "mhc"):
         public = set(importlib.import_module(f"tileproof.reference.{module}").__all__)
         public = {name for name in public if not name.endswith("_math")}  # dtype-generic building blocks
-        public -= {"mhc_pre_big_fuse", "mhc_multilayer_recompute"}  # registered with the modeling work
         assert public <= set(OPS), public - set(OPS)
 
 
@@ -204,6 +207,8 @@ def _moved(policy):
         ("mhc_pre_norm_fn", 2, 0),
         ("sinkhorn_normalize_bwd", 4, 0),
         ("grad_w_reduce", 2, 1),
+        ("mhc_pre_big_fuse", 2, 1),
+        ("mhc_pre_big_fuse", 4, 2),
     ],
 )
 def test_comparison_passes_the_reference_and_fails_a_moved_output(name, case_index, output_index, seed):
@@ -245,6 +250,73 @@ def test_grad_w_reduce_runs_on_fresh_accumulators(seed):
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before, call.args[3:], strict=True))
     assert not torch.equal(first[0], before[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# mhc_pre_big_fuse and mhc_multilayer_recompute
+# ---------------------------------------------------------------------------------------------
+
+
+def _built(name, case_index, seed):
+    op = registry.get_op(name)
+    case = registry.cases_of(name, "quick")[case_index]
+    call = op.build(case, CPU, torch.Generator().manual_seed(seed))
+    return op, case, call, list(op.split(call(op.reference())))
+
+
+def _plus_one_ulp(tensor, index):
+    tensor.view(torch.int16)[index] += 1
+
+
+def test_big_fuse_self_checks_catch_a_damaged_output(seed):
+    op, case, call, outputs = _built("mhc_pre_big_fuse", 2, seed)
+    checks = {c.name: c.status for c in op.self_check(case, call, tuple(outputs))}
+    assert set(checks.values()) == {PASS} and sum(n.startswith("premise") for n in checks) == 4
+    _plus_one_ulp(outputs[2], (3, 5))  # one element of layer_input, one bf16 ulp
+    checks = {c.name: c.status for c in op.self_check(case, call, tuple(outputs))}
+    assert checks["≡ norm-fn → split → Sinkhorn → pre-apply, one by one: layer_input"] == FAIL
+    assert checks["≡ norm-fn → split → Sinkhorn → pre-apply, one by one: comb_mix"] == PASS
+
+
+def test_round_bf16_is_round_to_nearest_even_of_float32_values(generator):
+    mhc = importlib.import_module("tileproof.oracle.mhc")
+    values = torch.randn(4096, generator=generator) * 8
+    ties = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), 2.0**-130, 0.0])  # exact midpoints, tiny, 0
+    values = torch.cat([values, ties])
+    assert torch.equal(mhc._round_bf16(values.double()), values.to(torch.bfloat16).double())
+    midpoint = torch.tensor([1 + 2.0**-8], dtype=torch.float64)
+    assert bool(mhc._near_boundary(midpoint, torch.ones(1, dtype=torch.float64)).all())
+    assert not bool(mhc._near_boundary(torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)).any())
+
+
+def test_recompute_runs_on_fresh_buffers_and_is_bitwise(seed):
+    op, case, call, (layer_inputs, residuals) = _built("mhc_multilayer_recompute", 2, seed)
+    assert case.params.layers == case.params.posts == 4
+    templates = call.args[5:]
+    assert all(bool((t.view(torch.int16) == -1).all()) for buffers in templates for t in buffers)  # untouched
+    again = op.split(call(op.reference()))
+    assert torch.equal(again[0], layer_inputs) and torch.equal(again[1], residuals)
+    reference = op.reference()
+
+    def last_residual_one_ulp_off(*args):
+        reference(*args)
+        _plus_one_ulp(args[-1][-1], (0, 0, 0))
+
+    twin = runner.backend_twin("ulp", types.SimpleNamespace(mhc_multilayer_recompute=last_residual_one_ulp_off))
+    checks, _ = runner.check_case(case, seed, CPU, None, False, twin=twin, self_checks=False)
+    statuses = {c.name: c.status for c in checks}
+    assert statuses["residuals"] == FAIL and statuses["layer_inputs"] == PASS
+
+
+def test_recompute_self_checks_catch_a_damaged_output(seed):
+    op, case, call, outputs = _built("mhc_multilayer_recompute", 3, seed)
+    checks = {c.name: c.status for c in op.self_check(case, call, tuple(outputs))}
+    assert set(checks.values()) == {PASS}
+    _plus_one_ulp(outputs[1], (1, 2, 0, 3))
+    checks = {c.name: c.status for c in op.self_check(case, call, tuple(outputs))}
+    assert checks["≡ float64 replay, rounded (residuals)"] == FAIL
+    assert checks["≡ layers one by one (mhc_post)"] == FAIL
+    assert checks["≡ layers one by one (mhc_pre_apply_mix)"] == PASS
 
 
 def test_mutation_catalogue_is_killed_by_the_quick_cases():
