@@ -1,7 +1,10 @@
 """The quantization family (contract §1) for the oracle: cases, inputs, policies, bytes, self-checks.
 
 Four operators: ``per_token_cast``, ``per_token_cast_with_sf_only``,
-``per_token_cast_with_precomputed_sf`` and ``per_token_cast_back``.
+``per_token_cast_with_precomputed_sf`` and ``per_token_cast_back``; and, with cases of their own
+(see their sections at the end): ``per_token_cast_e5m6`` (the public ``per_token_cast(x, "e5m6",
+H)``, an oracle operator of its own so that ``per_token_cast``'s case grid stays e4m3 / e2m1) and
+``cast_back`` of 2-D, per-channel and e5m6 pairs.
 
 Cases of each tier (both tiers reach the same kernel configurations; ``full`` has more tokens):
 
@@ -29,12 +32,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from fractions import Fraction
 from itertools import product
 
 import torch
 
 from tileproof.reference import quant as reference
-from tileproof.reference.contract import CAST_FORMATS, ScaleLayout, align, ceil_div
+from tileproof.reference import quant_blocks as reference_blocks
+from tileproof.reference.contract import CAST_FORMATS, PER_TOKEN_CAST_FORMATS, ScaleLayout, align, ceil_div
 
 from .policy import FAIL, PASS, Bitwise, Check, compare, structure_mismatch
 from .registry import Call, Case, OpSpec, Output, register
@@ -53,9 +58,11 @@ FLAGS = {
 # Round trip of the reference, per block: max |x - dequantize(quantize(x))| / amax(block) is at
 # most half an ulp of the format at the top of the block's range, relative to the block's amax:
 # e4m3 (3 mantissa bits): 16 / 256 = 2^-4 in the worst case (round_sf puts the block's amax
-# anywhere in (224, 448]); e2m1: a gap of 2 between 4 and 6 over an amax above 4 = 2^-2.
+# anywhere in (224, 448]); e2m1: a gap of 2 between 4 and 6 over an amax above 4 = 2^-2; e5m6 (6
+# mantissa bits): half an ulp of the amax's binade, 2^-7 of an amax at its bottom, plus 2^-20 for
+# the fp32 roundings of the scaling and of the dequantization (each 2^-24 of the amax at most).
 # A bf16 dequantized output adds its own rounding, below 2^-9 of a value at most the amax.
-ROUND_TRIP_BOUND = {"e4m3": 2.0**-4, "e2m1": 2.0**-2}
+ROUND_TRIP_BOUND = {"e4m3": 2.0**-4, "e2m1": 2.0**-2, "e5m6": 2.0**-7 + 2.0**-20}
 BF16_OUTPUT_SLACK = 2.0**-8
 
 # The reference's padding between rows of a strided quantized input (e4m3 NaN; e2m1 ±6).
@@ -103,8 +110,8 @@ class QuantParams:
         return bool(self.flag_kwargs.get("round_sf") or self.flag_kwargs.get("use_packed_ue8m0"))
 
     @property
-    def values_per_byte(self) -> int:
-        return CAST_FORMATS[self.fmt].values_per_byte
+    def values_per_byte(self) -> int | Fraction:
+        return PER_TOKEN_CAST_FORMATS[self.fmt].values_per_byte
 
 
 def _shape_text(p: QuantParams) -> str:
@@ -227,7 +234,7 @@ def _strided_data(q: torch.Tensor, p: QuantParams, device: torch.device, fill: b
     width = (p.row_stride or p.hidden) // p.values_per_byte
     if width == q.shape[1]:
         return q
-    dtype = CAST_FORMATS[p.fmt].storage_dtype
+    dtype = PER_TOKEN_CAST_FORMATS[p.fmt].storage_dtype
     if not fill:
         return torch.empty((q.shape[0], width), dtype=dtype, device=device)[:, : q.shape[1]]
     wide = torch.full((q.shape[0], width), PADDING_BYTE, dtype=torch.uint8, device=device).view(dtype)
@@ -376,7 +383,7 @@ class QuantOp(OpSpec):
             sf_expected = torch.empty_strided((T, p.kblocks), (1, leading), dtype=torch.float32, device="meta")
         else:
             sf_expected = torch.empty((T, p.kblocks), dtype=torch.float32, device="meta")
-        fmt = CAST_FORMATS[p.fmt]
+        fmt = PER_TOKEN_CAST_FORMATS[p.fmt]
         q_expected = torch.empty((T, H // fmt.values_per_byte), dtype=fmt.storage_dtype, device="meta")
         expected = {
             "cast": (q_expected, sf_expected),
@@ -415,6 +422,243 @@ def _round_trip_check(x: torch.Tensor, restored: torch.Tensor, p: QuantParams, b
     return Check(name, PASS, policy, f"{worst:.4g}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The e5m6 cast: per_token_cast(x, "e5m6", H), one scale per row
+# ---------------------------------------------------------------------------------------------
+# An operator of its own here (same public function), so that per_token_cast's cases stay the
+# e4m3 / e2m1 grid above. Hidden sizes give every packed store width of the optimized kernel (a
+# multiple of 32: 48-byte chunks; 1040: 24; 200: 12) and both of its CTA sizes (96 and 200: rows of
+# few chunks); both tiers use the same hidden sizes and strides (the same compiled kernels).
+
+E5M6_OP = "per_token_cast_e5m6"
+E5M6_SHAPES = {
+    "quick": [(37, 7168, 7232), (1, 96, None), (3, 1040, 1056), (300, 200, None), (33, 4096, None)],
+    "full": [(1023, 7168, 7232), (1, 96, None), (333, 1040, 1056), (4096, 200, None), (2049, 4096, None)],
+}
+E5M6_LARGE = QuantParams("e5m6", _DS, "bf16", "plain", 8192, _DS)
+
+
+def _e5m6_params(tier: str) -> list[QuantParams]:
+    shapes = E5M6_SHAPES[tier]
+    params = []
+    for i, (flags, dtype) in enumerate(product(FLAGS, DTYPES)):
+        tokens, hidden, stride = shapes[i % len(shapes)]
+        params.append(QuantParams("e5m6", hidden, dtype, flags, tokens, hidden, stride))
+    params.append(QuantParams("e5m6", _DS, "bf16", "packed", 0, _DS))
+    for dtype, flags in (("bf16", "plain"), ("fp32", "packed")):
+        params.append(QuantParams("e5m6", 1040, dtype, flags, NANINF_TOKENS[tier], 1040, None, "naninf"))
+    return params
+
+
+def _alignment(n: int) -> int:
+    """The largest power of two (up to 16) dividing n: what the kernels' vector widths depend on."""
+    return min(16, n & -n)
+
+
+class E5M6CastOp(QuantOp):
+    """``per_token_cast(x, "e5m6", H, ...)``: q uint8 ``[T, 3H/2]`` and sf, both bitwise."""
+
+    def __init__(self):
+        super().__init__("per_token_cast")
+        self.name = E5M6_OP
+
+    def cases(self, tier: str) -> list[Case]:
+        cases = [Case(self.name, self.label(p), p) for p in _e5m6_params(tier)]
+        if tier == "full":
+            cases.append(Case(self.name, self.label(E5M6_LARGE), E5M6_LARGE))
+        return cases
+
+    def reference(self) -> Callable:
+        return reference.per_token_cast
+
+    def optimized(self) -> Callable:
+        importlib.import_module("tileproof.optimized.jit")
+        return importlib.import_module("tileproof.optimized.quant").per_token_cast
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        p: QuantParams = case.params
+        if p.tokens == 0:
+            return None
+        return (self.name, p.dtype, "packed" in p.flags, p.hidden, _alignment(p.row_stride or p.hidden))
+
+    def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+        p: QuantParams = case.params
+        q, sf = outputs
+        restored = reference.cast_back((q, sf), "fp32", (1, p.hidden), x_special_fmt="e5m6")
+        return [self._layout_check(p, outputs), _round_trip_check(call.args[0], restored, p, ROUND_TRIP_BOUND["e5m6"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# cast_back of every block shape and format
+# ---------------------------------------------------------------------------------------------
+# (per_token_cast_back above covers the 1×C blocks of e4m3 / e2m1.) Pairs made by the reference
+# casts: 2-D blocks (per_block_cast, every scale layout), per-channel blocks (per_channel_cast,
+# whose row-major scales are re-stored in the other layouts: a cast back reads any), and e5m6
+# (per_token_cast "e5m6", one scale per row). Strided data rows are views of 0x7F-padded buffers; an
+# e5m6 row stride of 150 bytes (not a multiple of 4) takes the kernel's byte path.
+
+CAST_BACK_OP = "cast_back"
+CAST_BACK_BLOCKS = ((32, 32), (32, 128), (128, 32), (128, 128))
+CHANNEL_LAYOUTS = ("plain", "round", "colmajor", "packed")  # packed needs power-of-two scales: round_sf
+CAST_BACK_SHAPES = {
+    "quick": [(37, 320, 352), (1, 256, None), (130, 96, None), (3, 160, 176), (300, 288, None)],
+    "full": [(1023, 7168, 7232), (1, 256, None), (4096, 96, None), (129, 160, 176), (2049, 288, None)],
+}
+E5M6_BACK_SHAPES = {
+    "quick": [(37, 7168, 7232), (3, 96, 100), (130, 200, None), (1, 1040, 1048), (300, 4096, None)],
+    "full": [(1023, 7168, 7232), (33, 96, 100), (4096, 200, None), (1, 1040, 1048), (2049, 4096, None)],
+}
+CAST_BACK_LARGE = (
+    ("e4m3", (128, 128), "plain"),
+    ("e4m3", (128, 1), "plain"),
+    ("e5m6", (1, _DS), "plain"),
+)
+
+
+@dataclass(frozen=True)
+class CastBackParams:
+    fmt: str  # the data: "e4m3" | "e2m1" | "e5m6"
+    block: tuple[int, int]  # x_block_size: (bm, bk), (nt, 1) per channel, or (1, H) (e5m6)
+    dtype: str  # "bf16" | "fp32": the output, and the values the pair is made from
+    flags: str  # a key of FLAGS: the pair's scale layout and rounding
+    tokens: int
+    hidden: int
+    row_stride: int | None = None  # values between data rows; None: contiguous
+    special: str = ""  # "naninf": NaN, +Inf and -Inf in the values the pair is made from
+
+    @property
+    def layout(self) -> ScaleLayout:
+        kwargs = FLAGS[self.flags]
+        return ScaleLayout.from_flags(
+            kwargs.get("use_tma_aligned_col_major_sf", False), kwargs.get("use_packed_ue8m0", False)
+        )
+
+    @property
+    def values_per_byte(self) -> int | Fraction:
+        return PER_TOKEN_CAST_FORMATS[self.fmt].values_per_byte
+
+    @property
+    def channel(self) -> bool:
+        return self.block[1] == 1
+
+    @property
+    def scale_grid(self) -> tuple[int, int]:
+        return ceil_div(self.tokens, self.block[0]), ceil_div(self.hidden, self.block[1])
+
+
+def _cast_back_params(tier: str) -> list[CastBackParams]:
+    params = []
+    shapes = CAST_BACK_SHAPES[tier]
+    for i, (flags, fmt, dtype) in enumerate(product(FLAGS, FORMATS, DTYPES)):
+        tokens, hidden, stride = shapes[i % len(shapes)]
+        block = CAST_BACK_BLOCKS[i % len(CAST_BACK_BLOCKS)]
+        params.append(CastBackParams(fmt, block, dtype, flags, tokens, hidden, stride))
+    for i, (flags, fmt, dtype) in enumerate(product(CHANNEL_LAYOUTS, FORMATS, DTYPES)):
+        tokens, hidden, stride = shapes[(i + 2) % len(shapes)]
+        params.append(CastBackParams(fmt, ((32, 128)[i % 2], 1), dtype, flags, tokens, hidden, stride))
+    e5m6_shapes = E5M6_BACK_SHAPES[tier]
+    for i, (flags, dtype) in enumerate(product(FLAGS, DTYPES)):
+        tokens, hidden, stride = e5m6_shapes[i % len(e5m6_shapes)]
+        params.append(CastBackParams("e5m6", (1, hidden), dtype, flags, tokens, hidden, stride))
+    params += [
+        CastBackParams("e4m3", (128, 32), "bf16", "plain", 0, 208),
+        CastBackParams("e2m1", (32, 1), "fp32", "plain", 0, 208),
+        CastBackParams("e5m6", (1, 208), "bf16", "packed", 0, 208),
+        CastBackParams("e4m3", (32, 128), "bf16", "plain", NANINF_TOKENS[tier], 320, None, "naninf"),
+        CastBackParams("e5m6", (1, 7168), "bf16", "plain", NANINF_TOKENS[tier], 7168, None, "naninf"),
+    ]
+    return params
+
+
+def _block_text(block: tuple[int, int]) -> str:
+    return f"nt{block[0]}" if block[1] == 1 else f"{block[0]}x{block[1]}"
+
+
+class CastBackOp(OpSpec):
+    """``cast_back(x, fmt, x_block_size, x_special_fmt)`` for 2-D, per-channel and e5m6 pairs."""
+
+    family = "quant"
+
+    def __init__(self):
+        self.name = CAST_BACK_OP
+        self.outputs = (Output("out", Bitwise(nan_equal=True), WHY_BACK),)
+
+    def label(self, p: CastBackParams) -> str:
+        label = f"{self.name}/{p.fmt}/{_block_text(p.block)}/{p.dtype}/{_shape_text(p)}/{p.flags}"
+        return label + (f"/{p.special}" if p.special else "")
+
+    def cases(self, tier: str) -> list[Case]:
+        cases = [Case(self.name, self.label(p), p) for p in _cast_back_params(tier)]
+        if tier == "full":
+            for fmt, (bm, bk), flags in CAST_BACK_LARGE:
+                p = CastBackParams(fmt, (bm, bk), "bf16", flags, 8192, _DS)
+                cases.append(Case(self.name, self.label(p), p))
+        return cases
+
+    def _pair(self, p: CastBackParams, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flags = FLAGS[p.flags]
+        if p.fmt == "e5m6":
+            return reference.per_token_cast(x, "e5m6", p.hidden, **flags)
+        if not p.channel:
+            return reference_blocks.per_block_cast(x, p.fmt, p.block, **flags)
+        power_of_two = bool(flags.get("round_sf") or flags.get("use_packed_ue8m0"))
+        q, sf = reference_blocks.per_channel_cast(x, p.fmt, p.block[0], round_sf=power_of_two)
+        return q, reference.scales_to_layout(sf, p.layout)
+
+    def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
+        p: CastBackParams = case.params
+        source = _make_x(p, device, generator)
+        if generator is None:
+            width = int(p.hidden // p.values_per_byte)
+            spec = PER_TOKEN_CAST_FORMATS[p.fmt]
+            data = torch.empty((p.tokens, width), dtype=spec.storage_dtype, device=device)
+            sf = p.layout.empty(*p.scale_grid, device)
+        else:
+            data, sf = self._pair(p, source)
+        data = _strided_data(data, p, device, fill=generator is not None)
+        kwargs = {"x_special_fmt": "e5m6"} if p.fmt == "e5m6" else {}
+        return Call(((data, sf), p.dtype, p.block), kwargs, context={"source": source})
+
+    def reference(self) -> Callable:
+        return reference.cast_back
+
+    def optimized(self) -> Callable:
+        importlib.import_module("tileproof.optimized.jit")
+        return importlib.import_module("tileproof.optimized.quant").cast_back
+
+    def bytes_moved(self, case: Case) -> int:
+        p: CastBackParams = case.params
+        elements = p.tokens * p.hidden
+        rows, kblocks = p.scale_grid
+        sf_bytes = rows * p.layout.logical_columns(kblocks) * 4
+        return int(elements // p.values_per_byte) + sf_bytes + elements * DTYPES[p.dtype].itemsize
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        p: CastBackParams = case.params
+        if p.tokens == 0:
+            return None
+        stride = p.row_stride or p.hidden
+        widths = (_alignment(p.hidden), _alignment(stride), _alignment(int(stride // p.values_per_byte)))
+        return (self.name, p.fmt, p.dtype, p.layout.kind == "packed_ue8m0", p.channel, *widths)
+
+    def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+        # oracle.quant_blocks imports this module: its block round-trip check is imported on use.
+        from .quant_blocks import _round_trip_check as block_round_trip_check
+
+        p: CastBackParams = case.params
+        (out,) = outputs
+        expected = torch.empty((p.tokens, p.hidden), dtype=DTYPES[p.dtype], device="meta")
+        problem = structure_mismatch(out, expected)
+        if problem:
+            layout = Check("reference layout", FAIL, "documented layout", "", f"out: {problem}")
+        else:
+            layout = Check("reference layout", PASS, "documented layout", "ok")
+        source = call.context["source"].to(torch.float32)
+        return [layout, block_round_trip_check(source, out, p.block, ROUND_TRIP_BOUND[p.fmt])]
+
+
 OPS = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf", "per_token_cast_back")
 for _name in OPS:
     register(QuantOp(_name))
+register(E5M6CastOp())
+register(CastBackOp())

@@ -33,6 +33,7 @@ TIERS = ("quick", "full")
 FAMILY_MODULES = (
     "tileproof.oracle.quant",
     "tileproof.oracle.quant_blocks",
+    "tileproof.oracle.quant_swiglu",
     "tileproof.oracle.moe",
     "tileproof.oracle.transpose",
     "tileproof.oracle.engram",

@@ -20,27 +20,33 @@ Kernel design (memory-bound: read x once, write q and sf once). One CTA owns a *
 - One kernel serves the three public variants (cast, scales only, cast with given scales) through
   a uniform runtime ``mode`` and every fp32 scale layout through runtime strides, as in
   ``per_token``.
+- Re-quantization (``x`` a quantized ``(data, sf)`` tuple with ``x_block_size``): our ``cast_back``
+  to fp32, then this kernel on the fp32 tensor; two kernels and an fp32 round trip through memory
+  (a fused path is future work).
+
+``per_channel_cast_fused`` and ``per_channel_cast_and_transpose`` live in ``channel.py``.
 """
 
 import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import (
-    CAST_INPUT_DTYPES,
     E2M1,
     E4M3,
     ScaleLayout,
     ceil_div,
+    check_block_cast_input,
+    check_block_shape,
     check_cast_format,
+    check_cast_source,
+    check_num_per_tokens,
     check_scale_flags,
     check_scale_tensor,
-    check_tensor,
-    check_unit_inner_stride,
 )
-from tileproof.reference.quant_blocks import PER_BLOCK_SIZES, PER_CHANNEL_TOKEN_BLOCKS
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
 from .common import e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
+from .dequantize import cast_back
 from .per_token import MODE_CAST, MODE_PRECOMPUTED_SF, MODE_SF_ONLY, _vector_width, packed_scale_index
 
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -54,6 +60,27 @@ def schedule(block_rows: int, block_cols: int, vector: int) -> dict:
     thread_cols = max(16, min(lanes_per_block, 128)) if block_cols != CHANNEL_BLOCK else 16
     threads = max(256 if block_rows == 128 else 128, thread_cols)
     return {"threads": threads, "thread_cols": thread_cols, "min_blocks": 2048 // threads // 2}
+
+
+def packed_max(a, b):
+    """Lane-wise max of two int32 words of two bf16 magnitudes each (sign bits already clear)."""
+    return T.reinterpret(
+        T.call_extern("uint32", "__vmaxu2", T.reinterpret(a, "uint32"), T.reinterpret(b, "uint32")), "int32"
+    )
+
+
+def magnitude_bits(word):
+    """A word of two bf16 values with both sign bits cleared."""
+    return word & T.int32(0x7FFF7FFF)
+
+
+def half_as_float_bits(word, half):
+    """bf16 ``half`` (0: low, 1: high; an int or an unrolled index) of a word, as the bits of
+    the equal fp32 value (bf16 → fp32 is exact)."""
+    high = T.reinterpret(T.reinterpret(word, "uint32") >> 16 << 16, "int32")
+    if isinstance(half, int):
+        return word << 16 if half == 0 else high
+    return T.if_then_else(half == 0, word << 16, high)
 
 
 @jit()
@@ -119,23 +146,6 @@ def block_cast_kernel(
     x_span = T.dynamic("x_span")
     q_span = T.dynamic("q_span")
     sf_span = T.dynamic("sf_span")
-
-    def packed_max(a, b):
-        """Lane-wise max of two words of two bf16 magnitudes (sign bits already clear)."""
-        return T.reinterpret(
-            T.call_extern("uint32", "__vmaxu2", T.reinterpret(a, "uint32"), T.reinterpret(b, "uint32")), "int32"
-        )
-
-    def magnitude_bits(word):
-        return word & T.int32(0x7FFF7FFF)
-
-    def half_as_float_bits(word, half):
-        """bf16 ``half`` (0: low, 1: high; an int or an unrolled index) of a word, as the bits of
-        the equal fp32 value (bf16 → fp32 is exact)."""
-        high = T.reinterpret(T.reinterpret(word, "uint32") >> 16 << 16, "int32")
-        if isinstance(half, int):
-            return word << 16 if half == 0 else high
-        return T.if_then_else(half == 0, word << 16, high)
 
     @T.prim_func
     def kernel(
@@ -338,28 +348,22 @@ def _launch(x, spec, block_rows: int, block_cols: int, sf, q, mode: int, round_s
     )
 
 
-def _check_block_input(x, fmt, block_size, x_block_size):
+def _block_cast_source(x, fmt, block_size, x_block_size):
+    """The tensor the kernel quantizes, the output format and the block, with the reference's checks.
+
+    A quantized ``(data, sf)`` tuple is re-quantized in two kernels: our ``cast_back`` to fp32 (the
+    reference's rule: dequantize to fp32, then cast that tensor), then the block cast of the fp32
+    result; dequantizing in the cast's registers (one kernel, no fp32 round trip through memory)
+    is future work."""
+    if not isinstance(x, tuple):
+        spec, bm, bk = check_block_cast_input(x, fmt, block_size, x_block_size)
+        require_cuda("x", x)
+        return x, spec, bm, bk
     spec = check_cast_format(fmt)
-    if x_block_size is not None:
-        raise ValueError(
-            "x_block_size is only meaningful when x is an already quantized (data, sf) pair, which the "
-            f"optimized per_block_cast does not accept yet; got x_block_size={x_block_size!r}"
-        )
-    if not (
-        isinstance(block_size, (tuple, list))
-        and len(block_size) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) for b in block_size)
-    ):
-        raise TypeError(f"block_size must be a (rows, columns) pair of ints, got {block_size!r}")
-    bm, bk = block_size
-    if bm not in PER_BLOCK_SIZES or bk not in PER_BLOCK_SIZES:
-        raise ValueError(f"block_size must be (bm, bk) with bm, bk in {PER_BLOCK_SIZES}, got {tuple(block_size)}")
-    check_tensor("x", x, dtypes=CAST_INPUT_DTYPES, ndim=2)
-    check_unit_inner_stride("x", x)
-    if spec.values_per_byte == 2 and x.shape[1] % 2:
-        raise ValueError(f"e2m1 packs two values per byte: hidden ({x.shape[1]}) must be even")
-    require_cuda("x", x)
-    return spec, bm, bk
+    bm, bk = check_block_shape("block_size", block_size)
+    values = cast_back(x, "fp32", x_block_size)
+    check_cast_source(values, spec)  # fp32 [T, H] contiguous: only e2m1's even H can fail here
+    return values, spec, bm, bk
 
 
 def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:
@@ -368,7 +372,7 @@ def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:
 
 
 def per_block_cast(
-    x: torch.Tensor,
+    x,
     fmt: str,
     block_size,
     x_block_size=None,
@@ -377,8 +381,10 @@ def per_block_cast(
     use_packed_ue8m0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per ``bm × bk`` block; same contract as
-    ``tileproof.reference.quant_blocks.per_block_cast`` (shapes, layouts, rounding), bit for bit."""
-    spec, bm, bk = _check_block_input(x, fmt, block_size, x_block_size)
+    ``tileproof.reference.quant_blocks.per_block_cast`` (shapes, layouts, rounding), bit for bit.
+    ``x`` may be a quantized ``(data, sf)`` tuple with its ``x_block_size`` (two kernels: see
+    ``_block_cast_source``)."""
+    x, spec, bm, bk = _block_cast_source(x, fmt, block_size, x_block_size)
     round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
@@ -389,7 +395,7 @@ def per_block_cast(
 
 
 def per_block_cast_with_sf_only(
-    x: torch.Tensor,
+    x,
     fmt: str,
     block_size,
     x_block_size=None,
@@ -398,7 +404,7 @@ def per_block_cast_with_sf_only(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """The scales ``per_block_cast`` would return, without writing any data."""
-    spec, bm, bk = _check_block_input(x, fmt, block_size, x_block_size)
+    x, spec, bm, bk = _block_cast_source(x, fmt, block_size, x_block_size)
     round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
@@ -409,7 +415,7 @@ def per_block_cast_with_sf_only(
 
 
 def per_block_cast_with_precomputed_sf(
-    x: torch.Tensor,
+    x,
     fmt: str,
     block_size,
     sf: torch.Tensor,
@@ -419,7 +425,7 @@ def per_block_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """Quantize with given scales (in the layout the flags name): ``q = encode(x · (1 / sf))``."""
-    spec, bm, bk = _check_block_input(x, fmt, block_size, x_block_size)
+    x, spec, bm, bk = _block_cast_source(x, fmt, block_size, x_block_size)
     check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
@@ -436,12 +442,8 @@ def per_channel_cast(
     """Quantize ``x`` with one scale per column block of ``num_per_tokens`` tokens of one channel;
     same contract as ``tileproof.reference.quant_blocks.per_channel_cast``, bit for bit."""
     spec = check_cast_format(fmt)
-    if isinstance(num_per_tokens, bool) or num_per_tokens not in PER_CHANNEL_TOKEN_BLOCKS:
-        raise ValueError(f"num_per_tokens must be one of {PER_CHANNEL_TOKEN_BLOCKS}, got {num_per_tokens!r}")
-    check_tensor("x", x, dtypes=CAST_INPUT_DTYPES, ndim=2)
-    check_unit_inner_stride("x", x)
-    if spec.values_per_byte == 2 and x.shape[1] % 2:
-        raise ValueError(f"e2m1 packs two values per byte: hidden ({x.shape[1]}) must be even")
+    check_num_per_tokens(num_per_tokens)
+    check_cast_source(x, spec)
     round_sf = check_scale_flags(spec, round_sf, False)
     require_cuda("x", x)
     tokens, hidden = x.shape

@@ -22,11 +22,14 @@ import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import (
+    CAST_FORMATS,
     E2M1,
     E4M3,
+    PER_TOKEN_CAST_FORMATS,
     PER_TOKEN_CHANNEL_BLOCKS,
     ScaleLayout,
     ceil_div,
+    check_choice,
     check_per_token_cast_input,
     check_scale_flags,
     check_scale_tensor,
@@ -513,6 +516,19 @@ def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:
     return new_output(torch.empty((tokens, hidden // spec.values_per_byte), dtype=spec.storage_dtype, device=x.device))
 
 
+def _dequantized_source(x, fmt: str, x_block_size, formats=CAST_FORMATS) -> torch.Tensor:
+    """Re-quantization input: a quantized ``(data, sf)`` tuple → fp32 ``[T, H]`` by our ``cast_back``
+    (the reference's rule: dequantize to fp32, then cast that tensor). The caller then casts the
+    result as a plain tensor: two kernels and an fp32 round trip through memory; dequantizing in
+    the cast's registers is future work."""
+    check_choice("fmt", fmt, formats)
+    if fmt not in CAST_FORMATS:
+        raise ValueError(f"fmt {fmt!r} takes a plain tensor x, not an already quantized (data, sf) pair")
+    from .dequantize import cast_back  # here, not at the top: dequantize imports this module
+
+    return cast_back(x, "fp32", x_block_size)
+
+
 def per_token_cast(
     x: torch.Tensor,
     fmt: str,
@@ -523,7 +539,16 @@ def per_token_cast(
     use_packed_ue8m0: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with one scale per 1×C block of each row; same contract as
-    ``tileproof.reference.quant.per_token_cast`` (shapes, layouts, rounding), bit for bit."""
+    ``tileproof.reference.quant.per_token_cast`` (shapes, layouts, rounding), bit for bit. ``x``
+    may be a quantized ``(data, sf)`` tuple with its ``x_block_size`` (see ``_dequantized_source``)."""
+    if isinstance(x, tuple):
+        x, x_block_size = _dequantized_source(x, fmt, x_block_size, PER_TOKEN_CAST_FORMATS), None
+    if fmt == "e5m6":
+        from .e5m6 import per_token_cast_e5m6  # here, not at the top: e5m6 imports this module
+
+        return per_token_cast_e5m6(
+            x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
+        )
     spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
     round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     require_cuda("x", x)
@@ -545,6 +570,8 @@ def per_token_cast_with_sf_only(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """The scales of ``per_token_cast`` without writing any data (reads x once, writes sf)."""
+    if isinstance(x, tuple):
+        x, x_block_size = _dequantized_source(x, fmt, x_block_size), None
     spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
     round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     require_cuda("x", x)
@@ -567,6 +594,8 @@ def per_token_cast_with_precomputed_sf(
     use_packed_ue8m0: bool = False,
 ) -> torch.Tensor:
     """Quantize ``x`` with given scales (``q = encode(x · (1/sf))``); returns the data only."""
+    if isinstance(x, tuple):
+        x, x_block_size = _dequantized_source(x, fmt, x_block_size), None
     spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
     check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     require_cuda("x", x)

@@ -1,0 +1,1315 @@
+"""Fused SwiGLU + quantization (contract §1): ``swiglu_forward_and_per_token_cast`` as one TileLang
+kernel, ``swiglu_forward_and_per_channel_cast_and_transpose`` as that kernel's activation pass
+followed by the optimized per-channel cast, and ``swiglu_backward_and_per_token_cast`` as one kernel
+(``swiglu_backward_kernel``, described there).
+
+The activation (``tileproof.reference.quant_swiglu``, module docstring) is, per element of a row
+``[g | u]``: the optional clamp (a select, so NaN passes), ``t = fl(1 + E(−g))``, ``silu = fl(g / t)``
+(an IEEE division), ``a = fl(fl(silu · u) · w)``, with ``E(y) = fp32(exp(fp64(y)))``. Every step is
+one correctly rounded IEEE operation in that order (no product feeds an addition, so nvcc has
+nothing to contract into an FMA), hence the kernel is bitwise equal to the reference. ``a`` stays in
+fp32 and is cast exactly as ``per_token_cast`` casts it (its scale and encoding macros).
+
+Kernel design (memory-bound, except that ``E`` costs one fp64 ``exp`` per element computed directly):
+
+- **Persistent**: ``sm_count × MIN_BLOCKS`` CTAs loop over *tasks* (a row, or a part of a long
+  row), so the per-CTA set-up below is paid once per CTA, not once per row. A CTA holds
+  ``threads / threads_per_row`` *row groups* (whole warps); a row group takes one task per
+  iteration. Thread ``i`` of a row group holds ``units_per_thread`` *units* of ``CHUNK`` (8)
+  consecutive elements: units ``i``, ``i + threads_per_row``, ..., so a warp's loads are
+  contiguous; gate and up are 16-byte loads (narrower when H, the row stride or the base address
+  forbid it), all issued before any is used.
+- **Block scales (C = 128, and C = H ≤ 128, which is the same single partial block)**: a 1×128 block
+  spans 16 adjacent lanes, so its maximum is four ``shfl_xor`` steps; as in ``per_token``, owner
+  lanes compute the scales of the warp's blocks (one IEEE division pair per lane per task) and
+  shuffle the multipliers back. No barrier in the loop.
+- **Row scales (C = H > 128)**: a runtime switch of the same kernel: the task is the whole row, warp
+  maxima meet in shared memory (two barriers per iteration). Rows longer than a CTA's task (16384
+  bf16 or 8192 fp32 values) take more units per thread (a separately compiled configuration).
+- **E for bf16 input, memoized**: a bf16 gate has at most 2^16 values, so each CTA first fills a
+  shared-memory table with ``E(−g) = fp32(exp(fp64(−g)))`` for every bf16 ``g`` with
+  ``2^-16 ≤ |g| < 2^8`` (both signs) and for ``g = ±0``: 6145 fp64 ``exp`` per CTA, by the same
+  expression as the direct path, so an entry *is* the direct result (same instructions, same
+  argument: nothing to prove beyond that). Each element then costs one shared-memory load. A gate
+  outside the window (rare in activations: |g| < 2^-16, |g| ≥ 256, Inf, NaN, subnormals) takes the
+  direct fp64 ``exp``; a clamped gate (``g = c``, an fp32 value) takes ``E(−c)``, computed once per
+  thread by the same expression. fp32 input always takes the direct path (2^32 gate values).
+- **Routing and padding**: ``pos_to_expert`` (padding rows are skipped: not read, not computed, not
+  written, not counted) and the row's weight ``topk_weights.flatten()[pos_to_token_topk[r]]`` are
+  loaded one task ahead, so their dependent loads do not wait in front of the row's data. Index
+  tensors of either dtype are read as int32 words (an int64's sign is its high word; its value is
+  its low word, since the weight index is below ``topk_weights.numel()`` < 2^31). An index outside
+  ``[0, numel)`` gives ``w = 0`` without a memory access: -1 is the contract's "no weight"; other
+  values are refused by the reference's range check, which this twin skips (it needs the index
+  data on the host: a device synchronization on every call).
+- **Clamp counts**: per-thread int32 counts, a warp shuffle sum, one shared slot per warp and one
+  int64 ``atomicAdd`` per counter and CTA: integer sums, independent of the order and the grid.
+- Tails (H not a multiple of a task): masked per vector; gate and up read as zeros give ``a = ±0``,
+  which never raises an absolute maximum and is never counted as clamped (``c ≥ 0``).
+
+Compiled configurations stay few: token count, H, strides, the presence of routing inputs and
+counts, the clamp value, ``round_sf``, block or row scales, the scale layout's strides and the
+row-group size are runtime values; static are the input dtype, the format (or the bf16 activation
+alone), the load and store widths, packed UE8M0, the presence of a clamp (its compares and counts
+cost issue slots) and the units per thread.
+"""
+
+import tilelang.language as T
+import torch
+
+from tileproof.reference.contract import (
+    CAST_INPUT_DTYPES,
+    E2M1,
+    E4M3,
+    ScaleLayout,
+    ceil_div,
+    check_cast_format,
+    check_choice,
+    check_num_per_tokens,
+    check_per_token_blocks,
+    check_scale_flags,
+    check_scale_tensor,
+    check_tensor,
+    check_unit_inner_stride,
+)
+from tileproof.reference.quant_swiglu import (
+    BACKWARD_CHANNEL_BLOCKS,
+    CLAMP_COUNTERS,
+    FORWARD_CHANNEL_BLOCK,
+    INDEX_DTYPES,
+    _check_clamp,
+    _check_gate_up,
+    _check_index_vector,
+    _check_int,
+    _check_on_device,
+    _check_topk_weights,
+)
+
+from ..device import sm_count
+from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
+from .per_token import packed_scale_index, store_encoded_vector
+
+# Schedule: threads per CTA, CTAs per SM, elements per unit, units per thread. 1024 threads on each
+# SM (64 registers per thread) in one CTA: one exp table per SM (its fill, 6145 fp64 exp, is paid
+# once per SM, ~1 µs), 64 KiB of loads in flight per SM. A 1×128 block is 128 / CHUNK = 16 lanes.
+# Chosen from the design, not yet swept on the device.
+THREADS = 1024
+MIN_BLOCKS = 1
+CHUNK = 8
+# Units per thread by input dtype: fp32 rows hold twice the registers of bf16 words (two units
+# of fp32 gate and up spill past 64 registers).
+UNITS_PER_THREAD = {torch.bfloat16: 2, torch.float32: 1}
+
+# The bf16 exp table: gates with TABLE_LOW ≤ |g| < TABLE_HIGH (bf16 magnitude bits, sign dropped),
+# both signs, plus one entry for ±0. Magnitude bits of 2^k are (127 + k) << 7 (7 mantissa bits).
+TABLE_LOW = (127 - 16) << 7  # 2^-16
+TABLE_HIGH = (127 + 8) << 7  # 2^8
+TABLE_WINDOW = TABLE_HIGH - TABLE_LOW  # entries per sign: 24 binades of 128
+TABLE_ZERO = 2 * TABLE_WINDOW  # the index of E(-0) = 1
+TABLE_ENTRIES = TABLE_ZERO + 1
+
+_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+ACTIVATION_ONLY = "bf16"  # the kernel's "format" that writes the bf16 activation instead of a cast
+
+
+def exp_rounded(y):
+    """``E(y) = fp32(exp(fp64(y)))``: CUDA's double-precision ``exp``, rounded once to fp32."""
+    return T.cast(T.exp(T.cast(y, "float64")), "float32")
+
+
+def widen_half(word, half):
+    """bf16 ``half`` (0: low, 1: high) of a 32-bit word as the equal fp32 (bf16 → fp32 is exact)."""
+    bits = T.reinterpret(word, "uint32")
+    widened = T.if_then_else(half == 0, T.shift_left(bits, T.uint32(16)), bits & T.uint32(0xFFFF0000))
+    return T.reinterpret(widened, "float32")
+
+
+def clamped_gate(gate, clamp_value, clamp: bool):
+    """The gate after the clamp: a select (``g > c``), so NaN stays NaN and ``g == c`` stays."""
+    return T.if_then_else(gate > clamp_value, clamp_value, gate) if clamp else gate
+
+
+def clamped_up(up, clamp_value, clamp: bool):
+    """The up projection after the two-sided clamp (selects, as for the gate)."""
+    if not clamp:
+        return up
+    return T.if_then_else(up > clamp_value, clamp_value, T.if_then_else(up < -clamp_value, -clamp_value, up))
+
+
+@T.macro
+def fill_exp_table(table, tx, threads: int):
+    """``table[i] = E(−g_i)`` (fp32 bits) for the window's bf16 gates g_i, sign-major, and last ±0:
+    the same expression as the direct path, evaluated once per CTA."""
+    for i in T.serial(ceil_div(TABLE_ENTRIES, threads)):
+        entry = i * threads + tx
+        if entry < TABLE_ENTRIES:
+            window_bits = T.shift_left(entry // TABLE_WINDOW, 15) | (TABLE_LOW + entry % TABLE_WINDOW)
+            bits = T.if_then_else(entry == TABLE_ZERO, 0, window_bits)
+            gate = T.reinterpret(T.shift_left(T.cast(bits, "uint32"), T.uint32(16)), "float32")
+            table[entry] = T.reinterpret(exp_rounded(-gate), "int32")
+
+
+@T.macro
+def gate_exp(gate, clamp_value, exp_clamp, table, exp_value, use_table: bool, clamp: bool):
+    """``exp_value[0] = E(−g')`` for the clamped gate g' of the *unclamped* gate ``g``: ``E(−c)`` where
+    clamped, else the table (bf16 gates in the window, and ±0), else the direct fp64 exp."""
+    if use_table:
+        bits = T.shift_right(T.reinterpret(gate, "uint32"), T.uint32(16))  # the bf16 bits of g
+        magnitude = T.cast(bits & T.uint32(0x7FFF), "int32")
+        offset = magnitude - TABLE_LOW
+        in_window = T.And(offset >= 0, offset < TABLE_WINDOW)
+        sign_base = T.cast(T.shift_right(bits, T.uint32(15)), "int32") * TABLE_WINDOW
+        index = T.if_then_else(in_window, sign_base + offset, TABLE_ZERO)
+        exp_value[0] = T.reinterpret(table[index], "float32")
+        tabulated = T.Or(in_window, magnitude == 0)
+        if clamp:
+            exp_value[0] = T.if_then_else(gate > clamp_value, exp_clamp[0], exp_value[0])
+            if T.And(T.Not(tabulated), T.Not(gate > clamp_value)):
+                exp_value[0] = exp_rounded(-gate)
+        else:
+            if T.Not(tabulated):
+                exp_value[0] = exp_rounded(-gate)
+    else:
+        exp_value[0] = exp_rounded(-clamped_gate(gate, clamp_value, clamp))
+
+
+@T.macro
+def swiglu_element(gate, up, weight, clamp_value, exp_clamp, table, exp_value, out, use_table: bool, clamp: bool):
+    """``out[0] = fl(fl(fl(g' / fl(1 + E(−g'))) · u') · w)`` with g', u' the clamped gate and up."""
+    gate_exp(gate, clamp_value, exp_clamp, table, exp_value, use_table, clamp)
+    silu = T.ieee_fdiv(clamped_gate(gate, clamp_value, clamp), T.float32(1) + exp_value[0])
+    out[0] = silu * clamped_up(up, clamp_value, clamp) * weight
+
+
+@T.macro
+def count_clamps(gate, up, clamp_value, counts):
+    """``counts += [g > c, u > c, u < −c]`` (strict: NaN and values equal to c are not counted)."""
+    counts[0] = counts[0] + T.cast(gate > clamp_value, "int32")
+    counts[1] = counts[1] + T.cast(up > clamp_value, "int32")
+    counts[2] = counts[2] + T.cast(up < -clamp_value, "int32")
+
+
+@jit()
+def swiglu_per_token_kernel(
+    in_dtype: str,
+    fmt_name: str,
+    vector: int,
+    store_vector: int,
+    packed_ue8m0: bool,
+    clamp: bool,
+    units_per_thread: int,
+    threads: int = THREADS,
+    chunk: int = CHUNK,
+    min_blocks: int = MIN_BLOCKS,
+):
+    """Factory over the static parameters; everything else is a runtime scalar (module docstring).
+
+    ``vector``: elements per load of gate / up (divides H, the row stride and the base); ``store_vector``:
+    elements per store of q (divides H, at most ``chunk``). Tensors are passed flat with strides in
+    vectors (see ``per_token_cast_kernel``: it lets TileLang prove the alignment of wide accesses).
+    ``fmt_name == "bf16"``: no cast, the activation itself rounded to bf16 is the output ``q``
+    (``sf`` is not touched), the first half of the per-channel forward.
+    """
+    activation_only = fmt_name == ACTIVATION_ONLY
+    fmt = {"e4m3": E4M3, "e2m1": E2M1}.get(fmt_name)
+    warps = threads // 32
+    loads_per_unit = chunk // vector
+    stores_per_unit = chunk // store_vector
+    store_bytes = store_vector * 2 if activation_only else store_vector // fmt.values_per_byte
+    # bf16 rows travel as 32-bit words (two values each) until the activation: half the registers.
+    bf16_words = in_dtype == "bfloat16" and vector % 2 == 0
+    words = vector // 2 if bf16_words else vector
+    held = loads_per_unit * words
+    value_dtype = "int32" if bf16_words else "float32"
+    x_dtype = "int32" if bf16_words else in_dtype
+    use_table = in_dtype == "bfloat16"
+    lanes_per_block = FORWARD_CHANNEL_BLOCK // chunk
+    block_shuffles = lanes_per_block.bit_length() - 1
+    groups_per_warp = 32 // lanes_per_block
+    scale_owners = units_per_thread * groups_per_warp
+    q_dtype = "bfloat16" if activation_only else ("float8_e4m3" if fmt is E4M3 else "uint8")
+    sf_dtype = "uint8" if packed_ue8m0 else "float32"
+    # One shared buffer (int32 words) for everything exchanged across a barrier: TileLang may overlay
+    # buffers whose per-thread lifetimes look disjoint. [exp table | warps row maxima | 3 × warps counts]
+    table_words = TABLE_ENTRIES if use_table else 0
+    amax_base = table_words
+    count_base = amax_base + warps
+    exchange_words = count_base + CLAMP_COUNTERS * warps
+
+    x_span = T.dynamic("x_span")
+    q_span = T.dynamic("q_span")
+    sf_span = T.dynamic("sf_span")
+    expert_span = T.dynamic("expert_span")
+    index_span = T.dynamic("index_span")
+    weights_span = T.dynamic("weights_span")
+    count_span = T.dynamic("count_span")
+
+    def element_value(held_values, r, e):
+        """Element ``e`` of unit ``r`` as fp32 (held as bf16 words or as fp32)."""
+        return widen_half(held_values[r, e // 2], e % 2) if bf16_words else held_values[r, e]
+
+    @T.macro
+    def load_task_info(
+        row,
+        info_active,
+        info_weight,
+        expert_map,
+        topk_index,
+        topk_weights,
+        num_rows,
+        has_padding,
+        expert_stride,
+        expert_offset,
+        has_weights,
+        index_stride,
+        index_offset,
+        weights_numel,
+        weights_topk,
+        weights_row_stride,
+        weights_col_stride,
+        weight_index,
+    ):
+        """Whether ``row`` is computed (exists, not padding) and its weight (1 without routing)."""
+        info_active[0] = 0
+        info_weight[0] = T.float32(1)
+        if row < num_rows:
+            info_active[0] = 1
+            if has_padding != 0:
+                if expert_map[T.cast(row, "int64") * expert_stride + expert_offset] < 0:
+                    info_active[0] = 0
+            if has_weights != 0:
+                weight_index[0] = topk_index[T.cast(row, "int64") * index_stride + index_offset]
+                info_weight[0] = T.float32(0)
+                if weight_index[0] >= 0 and weight_index[0] < weights_numel:
+                    token = weight_index[0] // weights_topk
+                    slot = weight_index[0] - token * weights_topk
+                    info_weight[0] = topk_weights[
+                        T.cast(token, "int64") * weights_row_stride + T.cast(slot, "int64") * weights_col_stride
+                    ]
+
+    @T.macro
+    def store_scale(sf, sf_value, row, kblock, num_kblocks, sf_row_stride, sf_kblock_stride):
+        if packed_ue8m0:
+            byte = packed_scale_index(row, kblock, sf_row_stride)
+            sf[byte] = ue8m0_byte(sf_value[0])
+            if kblock == num_kblocks - 1:
+                # The contract wants the unused bytes of the last word zeroed.
+                for spare in T.unroll(1, 4):
+                    if kblock % 4 + spare < 4:
+                        sf[byte + spare] = T.uint8(0)
+        else:
+            sf[row * sf_row_stride + kblock * sf_kblock_stride] = sf_value[0]
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((x_span,), x_dtype),
+        q: T.Tensor((q_span,), q_dtype),
+        sf: T.Tensor((sf_span,), sf_dtype),
+        expert_map: T.Tensor((expert_span,), "int32"),
+        topk_index: T.Tensor((index_span,), "int32"),
+        topk_weights: T.Tensor((weights_span,), "float32"),
+        clamped_count: T.Tensor((count_span,), "int64"),
+        num_ctas: T.int32,
+        num_rows: T.int32,
+        hidden_vectors: T.int32,
+        row_stride_vectors: T.int32,
+        hidden_stores: T.int32,
+        num_kblocks: T.int32,
+        sf_row_stride: T.int32,
+        sf_kblock_stride: T.int32,
+        round_sf: T.int32,
+        row_scales: T.int32,
+        group_shift: T.int32,
+        parts_per_row: T.int32,
+        has_padding: T.int32,
+        expert_stride: T.int32,
+        expert_offset: T.int32,
+        has_weights: T.int32,
+        index_stride: T.int32,
+        index_offset: T.int32,
+        weights_numel: T.int32,
+        weights_topk: T.int32,
+        weights_row_stride: T.int32,
+        weights_col_stride: T.int32,
+        clamp_value: T.float32,
+        has_count: T.int32,
+        count_stride: T.int32,
+    ):
+        with T.Kernel(num_ctas, threads=threads) as (cta,):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            exchange = T.alloc_shared((exchange_words,), "int32")
+            gate_words = T.alloc_local((units_per_thread, held), value_dtype)
+            up_words = T.alloc_local((units_per_thread, held), value_dtype)
+            acts = T.alloc_local((units_per_thread, chunk), "float32")
+            unit_amax = T.alloc_local((units_per_thread,), "int32")
+            unit_multiplier = T.alloc_local((units_per_thread,), "float32")
+            owned_amax = T.alloc_local((1,), "int32")
+            sf_value = T.alloc_local((1,), "float32")
+            multiplier = T.alloc_local((1,), "float32")
+            codes = T.alloc_local((max(1, store_bytes),), "uint8")
+            counts = T.alloc_local((CLAMP_COUNTERS,), "int32")
+            exp_clamp = T.alloc_local((1,), "float32")
+            exp_value = T.alloc_local((1,), "float32")
+            element = T.alloc_local((1,), "float32")
+            task = T.alloc_local((2,), "int32")  # (row, part) of the next task
+            current = T.alloc_local((2,), "int32")  # (row, part) of this one
+            info_active = T.alloc_local((1,), "int32")
+            info_weight = T.alloc_local((1,), "float32")
+            active = T.alloc_local((1,), "int32")
+            weight = T.alloc_local((1,), "float32")
+            weight_index = T.alloc_local((1,), "int32")
+            group_amax = T.alloc_local((1,), "int32")
+
+            threads_per_row = T.shift_left(1, group_shift)
+            thread_in_group = tx & (threads_per_row - 1)
+            group_in_cta = T.shift_right(tx, group_shift)
+            groups_per_cta = T.shift_right(threads, group_shift)
+            total_groups = num_ctas * groups_per_cta
+            units_per_task = threads_per_row * units_per_thread
+            warp_first_unit = thread_in_group - lane  # a row group is whole warps
+
+            if use_table:
+                fill_exp_table(exchange, tx, threads)
+            if clamp:
+                exp_clamp[0] = exp_rounded(-clamp_value)
+            for c in T.unroll(CLAMP_COUNTERS):
+                counts[c] = 0
+            T.sync_threads()
+
+            group_id = cta * groups_per_cta + group_in_cta
+            task[0] = group_id // parts_per_row
+            task[1] = group_id % parts_per_row
+            row_step = total_groups // parts_per_row
+            part_step = total_groups % parts_per_row
+            load_task_info(
+                task[0],
+                info_active,
+                info_weight,
+                expert_map,
+                topk_index,
+                topk_weights,
+                num_rows,
+                has_padding,
+                expert_stride,
+                expert_offset,
+                has_weights,
+                index_stride,
+                index_offset,
+                weights_numel,
+                weights_topk,
+                weights_row_stride,
+                weights_col_stride,
+                weight_index,
+            )
+
+            for _task in T.serial(T.ceildiv(num_rows * parts_per_row, total_groups)):
+                current[0] = task[0]
+                current[1] = task[1]
+                active[0] = info_active[0]
+                weight[0] = info_weight[0]
+                row = current[0]
+                part = current[1]
+                x_row = T.cast(row, "int64") * row_stride_vectors * words
+                q_row = T.cast(row, "int64") * hidden_stores
+
+                # 1. This task's gate and up (all loads before any use), then the next task's
+                #    row flags and weight, which arrive while this task computes.
+                if active[0] != 0:
+                    for r in T.unroll(units_per_thread):
+                        unit = part * units_per_task + r * threads_per_row + thread_in_group
+                        for v in T.unroll(loads_per_unit):
+                            column = unit * loads_per_unit + v
+                            if column < hidden_vectors:
+                                for w in T.vectorized(words):
+                                    if bf16_words:
+                                        gate_words[r, v * words + w] = x[x_row + column * words + w]
+                                    else:
+                                        gate_words[r, v * words + w] = T.cast(x[x_row + column * words + w], "float32")
+                                for w in T.vectorized(words):
+                                    if bf16_words:
+                                        up_words[r, v * words + w] = x[x_row + (hidden_vectors + column) * words + w]
+                                    else:
+                                        up_words[r, v * words + w] = T.cast(
+                                            x[x_row + (hidden_vectors + column) * words + w], "float32"
+                                        )
+                            else:
+                                for w in T.vectorized(words):
+                                    gate_words[r, v * words + w] = T.cast(0, value_dtype)
+                                for w in T.vectorized(words):
+                                    up_words[r, v * words + w] = T.cast(0, value_dtype)
+                task[1] = task[1] + part_step
+                task[0] = task[0] + row_step
+                if task[1] >= parts_per_row:
+                    task[1] = task[1] - parts_per_row
+                    task[0] = task[0] + 1
+                load_task_info(
+                    task[0],
+                    info_active,
+                    info_weight,
+                    expert_map,
+                    topk_index,
+                    topk_weights,
+                    num_rows,
+                    has_padding,
+                    expert_stride,
+                    expert_offset,
+                    has_weights,
+                    index_stride,
+                    index_offset,
+                    weights_numel,
+                    weights_topk,
+                    weights_row_stride,
+                    weights_col_stride,
+                    weight_index,
+                )
+
+                # 2. The activation, element by element, and each unit's |a| maximum (fp32 bits:
+                #    an integer max ranks NaN above Inf, so NaN propagates as in the reference).
+                if active[0] != 0:
+                    for r in T.unroll(units_per_thread):
+                        unit_amax[r] = 0
+                        for e in T.unroll(chunk):
+                            gate = element_value(gate_words, r, e)
+                            up = element_value(up_words, r, e)
+                            if clamp:
+                                count_clamps(gate, up, clamp_value, counts)
+                            swiglu_element(
+                                gate,
+                                up,
+                                weight[0],
+                                clamp_value,
+                                exp_clamp,
+                                exchange,
+                                exp_value,
+                                element,
+                                use_table,
+                                clamp,
+                            )
+                            acts[r, e] = element[0]
+                            if not activation_only:
+                                unit_amax[r] = T.max(unit_amax[r], float_bits_abs(element[0]))
+
+                # 3. Scales: per 1×128 block (lanes of one warp) or per row (the row group's warps).
+                if not activation_only:
+                    if row_scales != 0:
+                        # Two barriers: the slots are free (last iteration's readers are done), then full.
+                        T.sync_threads()
+                        if active[0] != 0:
+                            group_amax[0] = unit_amax[0]
+                            for r in T.unroll(1, units_per_thread):
+                                group_amax[0] = T.max(group_amax[0], unit_amax[r])
+                            for step in T.unroll(5):
+                                group_amax[0] = T.max(group_amax[0], T.shfl_xor(group_amax[0], 1 << step))
+                            if lane == 0:
+                                exchange[amax_base + warp] = group_amax[0]
+                        T.sync_threads()
+                        if active[0] != 0:
+                            first_warp = T.shift_right(group_in_cta * threads_per_row, 5)
+                            group_amax[0] = 0
+                            for w in T.serial(T.shift_right(threads_per_row, 5)):
+                                slot = exchange[amax_base + first_warp + w]
+                                group_amax[0] = T.max(group_amax[0], slot)
+                            scale_and_multiplier(group_amax[0], fmt, round_sf != 0, sf_value, multiplier)
+                            if thread_in_group == 0:
+                                store_scale(sf, sf_value, row, 0, num_kblocks, sf_row_stride, sf_kblock_stride)
+                            for r in T.unroll(units_per_thread):
+                                unit_multiplier[r] = multiplier[0]
+                    else:
+                        if active[0] != 0:
+                            for r in T.unroll(units_per_thread):
+                                for step in T.unroll(block_shuffles):
+                                    unit_amax[r] = T.max(unit_amax[r], T.shfl_xor(unit_amax[r], 1 << step))
+                            # Lane L owns block (unit round L // groups, group L % groups) of the warp: it alone
+                            # divides and stores the scale; the multipliers travel back by shuffle.
+                            owner_round = lane // groups_per_warp
+                            owner_group = lane % groups_per_warp
+                            owned_amax[0] = 0
+                            for r in T.unroll(units_per_thread):
+                                fetched = T.shfl_sync(unit_amax[r], owner_group * lanes_per_block)
+                                owned_amax[0] = T.if_then_else(owner_round == r, fetched, owned_amax[0])
+                            owner_unit = (
+                                part * units_per_task
+                                + owner_round * threads_per_row
+                                + warp_first_unit
+                                + owner_group * lanes_per_block
+                            )
+                            kblock = owner_unit // lanes_per_block
+                            scale_and_multiplier(owned_amax[0], fmt, round_sf != 0, sf_value, multiplier)
+                            if lane < scale_owners and kblock < num_kblocks:
+                                store_scale(sf, sf_value, row, kblock, num_kblocks, sf_row_stride, sf_kblock_stride)
+                            for r in T.unroll(units_per_thread):
+                                unit_multiplier[r] = T.shfl_sync(
+                                    multiplier[0], r * groups_per_warp + lane // lanes_per_block
+                                )
+
+                # 4. Encode and store, one wide store per ``store_vector`` elements.
+                if active[0] != 0:
+                    for r in T.unroll(units_per_thread):
+                        unit = part * units_per_task + r * threads_per_row + thread_in_group
+                        for s in T.unroll(stores_per_unit):
+                            column = unit * stores_per_unit + s
+                            if column < hidden_stores:
+                                if activation_only:
+                                    # Round to nearest even, as torch's .to(torch.bfloat16).
+                                    for e in T.vectorized(store_vector):
+                                        q[(q_row + column) * store_vector + e] = T.cast(
+                                            acts[r, s * store_vector + e], "bfloat16"
+                                        )
+                                else:
+                                    q_offset = (q_row + column) * store_bytes
+                                    store_encoded_vector(
+                                        q,
+                                        q_offset,
+                                        acts,
+                                        r,
+                                        s * store_vector,
+                                        unit_multiplier[r],
+                                        fmt,
+                                        store_vector,
+                                        codes,
+                                    )
+
+            # 5. Clamp counts: warp sums, one shared slot per warp, one int64 atomic per counter and CTA.
+            if clamp:
+                if has_count != 0:
+                    for c in T.unroll(CLAMP_COUNTERS):
+                        for step in T.unroll(5):
+                            counts[c] = counts[c] + T.shfl_xor(counts[c], 1 << step)
+                    if lane == 0:
+                        for c in T.unroll(CLAMP_COUNTERS):
+                            exchange[count_base + warp * CLAMP_COUNTERS + c] = counts[c]
+                    T.sync_threads()
+                    if tx < CLAMP_COUNTERS:
+                        total = T.alloc_local((1,), "int64")
+                        total[0] = T.int64(0)
+                        for w in T.serial(warps):
+                            total[0] = total[0] + T.cast(exchange[count_base + w * CLAMP_COUNTERS + tx], "int64")
+                        T.atomic_add(clamped_count[tx * count_stride], total[0])
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _vector_width(x: torch.Tensor, hidden: int) -> int:
+    """Widest load (elements, at most 16 bytes) that H (the offset of the up half), the row stride
+    and the base address allow."""
+    element_bytes = x.element_size()
+    vector = 16 // element_bytes
+    while vector > 1 and (
+        hidden % vector or (x.shape[0] > 1 and x.stride(0) % vector) or x.data_ptr() % (vector * element_bytes)
+    ):
+        vector //= 2
+    return vector
+
+
+def _store_width(hidden: int, chunk: int) -> int:
+    """Widest store of q (elements): a power of two dividing H (rows of q are H apart), at most a unit."""
+    width = chunk
+    while hidden % width:
+        width //= 2
+    return width
+
+
+def _plan(hidden: int, row_scales: bool, units_per_thread: int) -> tuple[int, int, int]:
+    """(threads per row, units per thread, parts per row): the smallest row group (whole warps,
+    at most a CTA) whose task of ``units_per_thread`` units covers the row. Block scales split a
+    longer row into parts; row scales need the whole row in one task, so a row longer than
+    ``THREADS · units_per_thread · CHUNK`` values takes more units per thread (a separately
+    compiled kernel)."""
+    units = ceil_div(hidden, CHUNK)
+    threads_per_row = 32
+    while threads_per_row < THREADS and threads_per_row * units_per_thread < units:
+        threads_per_row *= 2
+    if row_scales:
+        units_per_thread = max(units_per_thread, ceil_div(units, threads_per_row))
+    return threads_per_row, units_per_thread, ceil_div(units, threads_per_row * units_per_thread)
+
+
+def _index_words(index: torch.Tensor | None, word: int) -> tuple[torch.Tensor | None, int, int]:
+    """An int32/int64 index vector as int32 words: (words, stride, offset). ``word`` picks the int64
+    half: 0 the low word (the value of a small index), 1 the high word (the sign)."""
+    if index is None:
+        return None, 0, 0
+    if index.numel() == 0:
+        return None, 0, 0
+    if index.dtype == torch.int32:
+        return flat_view(index), index.stride(0), 0
+    return flat_view(index).view(torch.int32), 2 * index.stride(0), word
+
+
+def _check_forward_arguments(
+    x, fmt, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, flags, swiglu_clamp_value, clamped_count
+):
+    """The reference's checks, in its order and with its messages, except the range of
+    ``pos_to_token_topk`` (data-dependent: it would synchronize with the device on every call)."""
+    spec = check_cast_format(fmt)
+    check_tensor("x", x, dtypes=CAST_INPUT_DTYPES, ndim=2)
+    check_unit_inner_stride("x", x)
+    rows, hidden = x.shape[0], _check_gate_up("x", x)
+    _check_int("num_per_channels", num_per_channels)
+    if num_per_channels not in (FORWARD_CHANNEL_BLOCK, hidden):
+        raise ValueError(
+            f"num_per_channels must be {FORWARD_CHANNEL_BLOCK} or the hidden size {hidden}, got {num_per_channels}"
+        )
+    check_per_token_blocks(spec, hidden, num_per_channels)
+    round_sf = check_scale_flags(spec, *flags)
+    if (pos_to_token_topk is None) != (topk_weights is None):
+        raise ValueError(
+            "pos_to_token_topk and topk_weights must be given together (the weight of row r is "
+            "topk_weights.flatten()[pos_to_token_topk[r]]) or both be None"
+        )
+    if pos_to_token_topk is not None:
+        _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x.device)
+        _check_topk_weights("topk_weights", topk_weights, x.device)
+        if topk_weights.numel() >= 2**31:
+            raise ValueError(f"topk_weights must have fewer than 2^31 elements, got {topk_weights.numel()}")
+    if pos_to_expert is not None:
+        _check_index_vector("pos_to_expert", pos_to_expert, rows, x.device)
+    clamp_value = _check_clamp(swiglu_clamp_value)
+    if clamped_count is not None:
+        if clamp_value is None:
+            raise ValueError("clamped_count counts clamped elements: it needs a swiglu_clamp_value")
+        check_tensor("clamped_count", clamped_count, dtypes=(torch.int64,), ndim=1)
+        if clamped_count.shape[0] != CLAMP_COUNTERS:
+            raise ValueError(f"clamped_count must have shape ({CLAMP_COUNTERS},), got {tuple(clamped_count.shape)}")
+        _check_on_device("clamped_count", clamped_count, x.device)
+    return spec, hidden, round_sf, clamp_value
+
+
+def _launch(
+    x: torch.Tensor,
+    hidden: int,
+    fmt_name: str,
+    num_per_channels: int,
+    q: torch.Tensor,
+    sf: torch.Tensor | None,
+    *,
+    packed: bool = False,
+    round_sf: bool = False,
+    clamp_value: float | None = None,
+    pos_to_token_topk: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    pos_to_expert: torch.Tensor | None = None,
+    clamped_count: torch.Tensor | None = None,
+) -> None:
+    """Compile (or fetch) the kernel for this call and, unless compiling only, launch it."""
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    vector = _vector_width(x, hidden)
+    store_vector = _store_width(hidden, CHUNK)
+    # One scale per row of at most 128 values is the single (partial) 1×128 block of the row.
+    row_scales = fmt_name != ACTIVATION_ONLY and num_per_channels == hidden and hidden > FORWARD_CHANNEL_BLOCK
+    threads_per_row, units_per_thread, parts_per_row = _plan(hidden, row_scales, UNITS_PER_THREAD[x.dtype])
+    clamp = clamp_value is not None
+    kernel = swiglu_per_token_kernel(
+        _TL_DTYPES[x.dtype], fmt_name, vector, store_vector, packed, clamp, units_per_thread
+    )
+    if compiling_only():
+        return
+
+    groups_per_cta = THREADS // threads_per_row
+    num_ctas = max(1, min(sm_count(x.device) * MIN_BLOCKS, ceil_div(rows * parts_per_row, groups_per_cta)))
+    placeholder_int = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if sf is None:
+        sf_argument, sf_row_stride, sf_kblock_stride = torch.zeros(1, dtype=torch.float32, device=x.device), 0, 0
+    elif packed:
+        # int32 words [rows, kwords] with strides (1, ld): pass the bytes; ld counts words.
+        sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf).view(torch.uint8), sf.stride(1), 0
+    else:
+        sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf), sf.stride(0), sf.stride(1)
+    bf16_words = x.dtype == torch.bfloat16 and vector % 2 == 0
+    x_argument = flat_view(x).view(torch.int32) if bf16_words else flat_view(x)
+    row_stride_vectors = x.stride(0) // vector if rows > 1 else 2 * hidden // vector
+    q_argument = flat_view(q).view(torch.uint8) if q.dtype == torch.int8 else flat_view(q)
+    expert_words, expert_stride, expert_offset = _index_words(pos_to_expert, 1)
+    index_words, index_stride, index_offset = _index_words(pos_to_token_topk, 0)
+    has_weights = topk_weights is not None
+    if has_weights and topk_weights.numel():
+        weights_argument = flat_view(topk_weights)
+        weights_shape = (topk_weights.shape[1], topk_weights.stride(0), topk_weights.stride(1))
+    else:
+        weights_argument = torch.zeros(1, dtype=torch.float32, device=x.device)
+        weights_shape = (1, 0, 0)
+    if clamped_count is not None:
+        count_argument, count_stride = flat_view(clamped_count), clamped_count.stride(0)
+    else:
+        count_argument, count_stride = torch.zeros(1, dtype=torch.int64, device=x.device), 0
+    # The clamp as the kernel sees it: rounded once to fp32 (+Inf, which clamps nothing, without one).
+    clamp_fp32 = float("inf") if clamp_value is None else float(torch.tensor(clamp_value, dtype=torch.float32))
+    kernel(
+        x_argument,
+        q_argument,
+        sf_argument,
+        expert_words if expert_words is not None else placeholder_int,
+        index_words if index_words is not None else placeholder_int,
+        weights_argument,
+        count_argument,
+        num_ctas,
+        rows,
+        hidden // vector,
+        row_stride_vectors,
+        hidden // store_vector,
+        ceil_div(hidden, num_per_channels),
+        sf_row_stride,
+        sf_kblock_stride,
+        int(round_sf),
+        int(row_scales),
+        threads_per_row.bit_length() - 1,
+        parts_per_row,
+        int(pos_to_expert is not None),
+        expert_stride,
+        expert_offset,
+        int(has_weights),
+        index_stride,
+        index_offset,
+        topk_weights.numel() if has_weights else 0,
+        *weights_shape,
+        clamp_fp32,
+        int(clamped_count is not None),
+        count_stride,
+    )
+
+
+def swiglu_forward_and_per_token_cast(
+    x: torch.Tensor,
+    fmt: str,
+    num_per_channels: int,
+    pos_to_token_topk: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    pos_to_expert: torch.Tensor | None = None,
+    use_tma_aligned_col_major_sf: bool = False,
+    round_sf: bool = False,
+    use_packed_ue8m0: bool = False,
+    swiglu_clamp_value: float | None = None,
+    clamped_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of each row (optionally weighted), kept in fp32 and quantized per token; same contract
+    as ``tileproof.reference.quant_swiglu.swiglu_forward_and_per_token_cast``, bit for bit, except
+    that padding rows (``pos_to_expert < 0``) are not written (the contract leaves them unspecified)
+    and the entries of ``pos_to_token_topk`` are not range-checked (an entry outside
+    ``[0, topk_weights.numel())`` gives weight 0)."""
+    flags = (round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
+    spec, hidden, round_sf, clamp_value = _check_forward_arguments(
+        x,
+        fmt,
+        num_per_channels,
+        pos_to_token_topk,
+        topk_weights,
+        pos_to_expert,
+        flags,
+        swiglu_clamp_value,
+        clamped_count,
+    )
+    require_cuda("x", x)
+    rows = x.shape[0]
+    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    sf = new_output(layout.empty(rows, ceil_div(hidden, num_per_channels), x.device))
+    q = new_output(torch.empty((rows, hidden // spec.values_per_byte), dtype=spec.storage_dtype, device=x.device))
+    _launch(
+        x,
+        hidden,
+        spec.name,
+        num_per_channels,
+        q,
+        sf,
+        packed=use_packed_ue8m0,
+        round_sf=round_sf,
+        clamp_value=clamp_value,
+        pos_to_token_topk=pos_to_token_topk,
+        topk_weights=topk_weights,
+        pos_to_expert=pos_to_expert,
+        clamped_count=clamped_count,
+    )
+    return q, sf
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(
+    x: torch.Tensor,
+    fmt: str,
+    num_per_tokens: int,
+    round_sf: bool = False,
+    without_transpose: bool = False,
+    swiglu_clamp_value: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of each row rounded to bf16, then cast per channel (and by default transposed); same
+    contract as the reference twin, bit for bit.
+
+    Two of our kernels, composed: ``swiglu_per_token_kernel`` writes the bf16 activation ``[T, H]``
+    (one pass over x), then the optimized ``per_channel_cast_and_transpose`` (or ``per_channel_cast``
+    with ``without_transpose``) casts it. The intermediate costs one extra write and read of 2 bytes
+    per element (9 bytes per element moved instead of 5); a fused kernel would stage the activation
+    tile in shared memory instead.
+    """
+    check_choice("fmt", fmt, (E4M3.name,))
+    check_num_per_tokens(num_per_tokens)
+    check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
+    check_unit_inner_stride("x", x)
+    hidden = _check_gate_up("x", x)
+    check_scale_flags(E4M3, round_sf, False)
+    if not isinstance(without_transpose, bool):
+        raise TypeError(f"without_transpose must be a bool, got {type(without_transpose).__name__}")
+    clamp_value = _check_clamp(swiglu_clamp_value)
+    require_cuda("x", x)
+    # The casts below run even with zero tokens: they allocate the outputs of the right shapes.
+    activation = torch.empty((x.shape[0], hidden), dtype=torch.bfloat16, device=x.device)
+    _launch(x, hidden, ACTIVATION_ONLY, hidden, activation, None, clamp_value=clamp_value)
+    from . import blocks
+
+    if without_transpose:
+        return blocks.per_channel_cast(activation, fmt, num_per_tokens, round_sf)
+    transpose_cast = _per_channel_cast_and_transpose()
+    if transpose_cast is None:
+        raise NotImplementedError(
+            "swiglu_forward_and_per_channel_cast_and_transpose needs the optimized per_channel_cast_and_transpose, "
+            "which tileproof.optimized.quant does not provide yet"
+        )
+    return transpose_cast(activation, fmt, num_per_tokens, round_sf)
+
+
+def _per_channel_cast_and_transpose():
+    """The optimized ``per_channel_cast_and_transpose``, or None while the package lacks it."""
+    import tileproof.optimized.quant as quant
+
+    return getattr(quant, "per_channel_cast_and_transpose", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward + per-token cast of the input gradient
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def swiglu_backward_kernel(
+    num_per_channels: int,
+    q_vector: int,
+    go_vector: int,
+    clamp: bool,
+    units_per_thread: int,
+    threads: int = THREADS,
+    chunk: int = CHUNK,
+):
+    """The backward for one whole row per row-group task (its ``dweight`` sum needs the row).
+
+    Per element, in the reference's order (module docstring of ``reference.quant_swiglu``): ``g, u =
+    fl(decode(q) · sf)``, the clamp, ``t = fl(1 + E(−g))``, ``act = fl(fl(g / t) · u)``, ``s = fl(1 / t)``,
+    ``out = bf16(fl(act · w))``, ``gw = fl(fl(go · w) · s)``, ``dg = fl(fl(gw · u) · fma(g, fl(1 − s), 1))``,
+    ``du = fl(gw · g)`` (+0 where clamped). ``out`` and ``dx`` are stored at once; ``dg`` and ``du`` wait in
+    registers for their 1×C block scales (lanes of one warp: C / CHUNK of them); ``dweight`` of the
+    row's slot is an fp32 sum of ``go · act`` (per thread, then a shuffle tree, then the row group's
+    warps in order: deterministic), written by the row group's first thread. Slots without a row are
+    zeroed first, by a grid-stride pass. ``E`` is the direct fp64 ``exp`` (a dequantized gate is any fp32).
+
+    ``q_vector``: bytes per load of x_q (divides CHUNK); ``go_vector``: elements per load of grad_out.
+    """
+    warps = threads // 32
+    lanes_per_block = num_per_channels // chunk
+    block_shuffles = lanes_per_block.bit_length() - 1
+    q_loads = chunk // q_vector
+    go_words = go_vector % 2 == 0
+    go_width = go_vector // 2 if go_words else go_vector  # loaded per go vector, in its storage dtype
+    go_loads = chunk // go_vector
+    go_held = go_loads * go_width
+    go_dtype = "int32" if go_words else "bfloat16"
+    go_value_dtype = "int32" if go_words else "float32"
+
+    q_span = T.dynamic("q_span")
+    x_sf_span = T.dynamic("x_sf_span")
+    go_span = T.dynamic("go_span")
+    weight_span = T.dynamic("weight_span")
+    slot_span = T.dynamic("slot_span")
+    row_span = T.dynamic("row_span")
+    out_span = T.dynamic("out_span")
+    dx_q_span = T.dynamic("dx_q_span")
+    dx_sf_span = T.dynamic("dx_sf_span")
+    dx_span = T.dynamic("dx_span")
+    dweight_span = T.dynamic("dweight_span")
+
+    def go_value(held, r, e):
+        return widen_half(held[r, e // 2], e % 2) if go_words else held[r, e]
+
+    def unless_clamped(gradient, clamped):
+        """+0 where the input was clamped (the clamp is flat there), else the gradient."""
+        return T.if_then_else(clamped, T.float32(0), gradient) if clamp else gradient
+
+    @T.macro
+    def load_row_info(
+        row, info_slot, info_weight, slot_of_row, weight, num_rows, slot_stride, num_slots, topk, w_stride0, w_stride1
+    ):
+        """The row's routing slot (-1: none) and weight (0 without a slot)."""
+        info_slot[0] = -1
+        info_weight[0] = T.float32(0)
+        if row < num_rows:
+            info_slot[0] = slot_of_row[T.cast(row, "int64") * slot_stride]
+            if info_slot[0] >= 0 and info_slot[0] < num_slots:
+                token = info_slot[0] // topk
+                info_weight[0] = weight[
+                    T.cast(token, "int64") * w_stride0 + T.cast(info_slot[0] - token * topk, "int64") * w_stride1
+                ]
+
+    @T.macro
+    def block_scale(amax, round_sf, sf_value, multiplier, dx_sf, index, owner):
+        scale_and_multiplier(amax, E4M3, round_sf != 0, sf_value, multiplier)
+        if owner:
+            dx_sf[index] = sf_value[0]
+
+    @T.prim_func
+    def kernel(
+        x_q: T.Tensor((q_span,), "float8_e4m3"),
+        x_sf: T.Tensor((x_sf_span,), "float32"),
+        grad_out: T.Tensor((go_span,), go_dtype),
+        weight: T.Tensor((weight_span,), "float32"),
+        slot_of_row: T.Tensor((slot_span,), "int32"),
+        row_of_slot: T.Tensor((row_span,), "int32"),
+        out: T.Tensor((out_span,), "bfloat16"),
+        dx_q: T.Tensor((dx_q_span,), "float8_e4m3"),
+        dx_sf: T.Tensor((dx_sf_span,), "float32"),
+        dx: T.Tensor((dx_span,), "bfloat16"),
+        dweight: T.Tensor((dweight_span,), "float32"),
+        num_ctas: T.int32,
+        num_rows: T.int32,
+        hidden_units: T.int32,
+        q_row_stride_vectors: T.int32,
+        x_sf_row_stride: T.int32,
+        go_row_stride_vectors: T.int32,
+        group_shift: T.int32,
+        slot_stride: T.int32,
+        row_of_slot_stride0: T.int32,
+        row_of_slot_stride1: T.int32,
+        row_of_slot_offset: T.int32,
+        num_slots: T.int32,
+        topk: T.int32,
+        w_stride0: T.int32,
+        w_stride1: T.int32,
+        round_sf: T.int32,
+        clamp_value: T.float32,
+    ):
+        with T.Kernel(num_ctas, threads=threads) as (cta,):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            exchange = T.alloc_shared((warps,), "float32")
+            gate_q = T.alloc_local((units_per_thread, chunk), "float8_e4m3")
+            up_q = T.alloc_local((units_per_thread, chunk), "float8_e4m3")
+            go_held_values = T.alloc_local((units_per_thread, go_held), go_value_dtype)
+            scales = T.alloc_local((units_per_thread, 2), "float32")
+            d_gate = T.alloc_local((units_per_thread, chunk), "float32")
+            d_up = T.alloc_local((units_per_thread, chunk), "float32")
+            results = T.alloc_local((chunk,), "float32")
+            values = T.alloc_local((7,), "float32")
+            amax = T.alloc_local((units_per_thread, 2), "int32")
+            multipliers = T.alloc_local((units_per_thread, 2), "float32")
+            sf_value = T.alloc_local((1,), "float32")
+            multiplier = T.alloc_local((1,), "float32")
+            row_sum = T.alloc_local((1,), "float32")
+            info_slot = T.alloc_local((1,), "int32")
+            info_weight = T.alloc_local((1,), "float32")
+            slot = T.alloc_local((1,), "int32")
+            weight_value = T.alloc_local((1,), "float32")
+            task_row = T.alloc_local((1,), "int32")
+            current_row = T.alloc_local((1,), "int32")
+            codes = T.alloc_local((1,), "uint8")
+
+            threads_per_row = T.shift_left(1, group_shift)
+            thread_in_group = tx & (threads_per_row - 1)
+            group_in_cta = T.shift_right(tx, group_shift)
+            groups_per_cta = T.shift_right(threads, group_shift)
+            total_groups = num_ctas * groups_per_cta
+            hidden = hidden_units * chunk
+            blocks_per_half = hidden // num_per_channels
+
+            # 0. dweight of the slots without a row is 0 (the rows write the others).
+            for i in T.serial(T.ceildiv(num_slots, num_ctas * threads)):
+                flat_slot = (i * num_ctas + cta) * threads + tx
+                if flat_slot < num_slots:
+                    token = flat_slot // topk
+                    position = (
+                        T.cast(token, "int64") * row_of_slot_stride0
+                        + T.cast(flat_slot - token * topk, "int64") * row_of_slot_stride1
+                        + row_of_slot_offset
+                    )
+                    if row_of_slot[position] < 0:
+                        dweight[flat_slot] = T.float32(0)
+
+            task_row[0] = cta * groups_per_cta + group_in_cta
+            load_row_info(
+                task_row[0],
+                info_slot,
+                info_weight,
+                slot_of_row,
+                weight,
+                num_rows,
+                slot_stride,
+                num_slots,
+                topk,
+                w_stride0,
+                w_stride1,
+            )
+            for _task in T.serial(T.ceildiv(num_rows, total_groups)):
+                current_row[0] = task_row[0]
+                row = current_row[0]
+                slot[0] = info_slot[0]
+                weight_value[0] = info_weight[0]
+                active = row < num_rows
+                q_row = T.cast(row, "int64") * q_row_stride_vectors * q_vector
+                go_row = T.cast(row, "int64") * go_row_stride_vectors * go_width
+                sf_row = T.cast(row, "int64") * x_sf_row_stride
+
+                # 1. Loads: the row's quantized gate and up, their scales, grad_out.
+                if active:
+                    for r in T.unroll(units_per_thread):
+                        unit = r * threads_per_row + thread_in_group
+                        if unit < hidden_units:
+                            for v in T.unroll(q_loads):
+                                for b in T.vectorized(q_vector):
+                                    gate_q[r, v * q_vector + b] = x_q[q_row + unit * chunk + v * q_vector + b]
+                                for b in T.vectorized(q_vector):
+                                    up_q[r, v * q_vector + b] = x_q[q_row + hidden + unit * chunk + v * q_vector + b]
+                            for v in T.unroll(go_loads):
+                                for w in T.vectorized(go_width):
+                                    if go_words:
+                                        go_held_values[r, v * go_width + w] = grad_out[
+                                            go_row + (unit * go_loads + v) * go_width + w
+                                        ]
+                                    else:
+                                        go_held_values[r, v * go_width + w] = T.cast(
+                                            grad_out[go_row + (unit * go_loads + v) * go_width + w], "float32"
+                                        )
+                            kblock = unit * chunk // num_per_channels
+                            scales[r, 0] = x_sf[sf_row + kblock]
+                            scales[r, 1] = x_sf[sf_row + blocks_per_half + kblock]
+                task_row[0] = task_row[0] + total_groups
+                load_row_info(
+                    task_row[0],
+                    info_slot,
+                    info_weight,
+                    slot_of_row,
+                    weight,
+                    num_rows,
+                    slot_stride,
+                    num_slots,
+                    topk,
+                    w_stride0,
+                    w_stride1,
+                )
+
+                # 2. The gradients, element by element; out and dx stored at once.
+                row_sum[0] = T.float32(0)
+                if active:
+                    for r in T.unroll(units_per_thread):
+                        unit = r * threads_per_row + thread_in_group
+                        amax[r, 0] = 0
+                        amax[r, 1] = 0
+                        if unit < hidden_units:
+                            for e in T.unroll(chunk):
+                                gate = T.cast(gate_q[r, e], "float32") * scales[r, 0]
+                                up = T.cast(up_q[r, e], "float32") * scales[r, 1]
+                                # Local scalars (registers) hold the values used twice: TileLang may inline a named
+                                # expression at each of its uses, the fp64 exp included.
+                                values[0] = clamped_gate(gate, clamp_value, clamp)
+                                values[1] = clamped_up(up, clamp_value, clamp)
+                                values[2] = T.float32(1) + exp_rounded(-values[0])  # t
+                                values[3] = T.ieee_fdiv(values[0], values[2]) * values[1]  # act
+                                values[4] = T.ieee_fdiv(T.float32(1), values[2])  # s = σ(g)
+                                values[5] = go_value(go_held_values, r, e)  # go
+                                values[6] = values[5] * weight_value[0] * values[4]  # gw
+                                factor = T.ieee_fmaf(values[0], T.float32(1) - values[4], T.float32(1))
+                                d_gate[r, e] = unless_clamped(values[6] * values[1] * factor, gate > clamp_value)
+                                d_up[r, e] = unless_clamped(
+                                    values[6] * values[0], T.Or(up > clamp_value, up < -clamp_value)
+                                )
+                                results[e] = values[3] * weight_value[0]
+                                row_sum[0] = row_sum[0] + values[5] * values[3]
+                                amax[r, 0] = T.max(amax[r, 0], float_bits_abs(d_gate[r, e]))
+                                amax[r, 1] = T.max(amax[r, 1], float_bits_abs(d_up[r, e]))
+                            out_offset = (T.cast(row, "int64") * hidden_units + unit) * chunk
+                            for e in T.vectorized(chunk):
+                                out[out_offset + e] = T.cast(results[e], "bfloat16")
+                            dx_offset = (T.cast(row, "int64") * 2 * hidden_units + unit) * chunk
+                            for e in T.vectorized(chunk):
+                                dx[dx_offset + e] = T.cast(d_gate[r, e], "bfloat16")
+                            for e in T.vectorized(chunk):
+                                dx[dx_offset + hidden + e] = T.cast(d_up[r, e], "bfloat16")
+
+                    # 3. 1×C block scales of dg (gate half) and du (up half): lanes of one warp.
+                    for r in T.unroll(units_per_thread):
+                        for h in T.unroll(2):
+                            for step in T.unroll(block_shuffles):
+                                amax[r, h] = T.max(amax[r, h], T.shfl_xor(amax[r, h], 1 << step))
+                    for r in T.unroll(units_per_thread):
+                        unit = r * threads_per_row + thread_in_group
+                        kblock = unit * chunk // num_per_channels
+                        owner = unit < hidden_units and lane % lanes_per_block == 0
+                        sf_base = T.cast(row, "int64") * 2 * blocks_per_half
+                        for h in T.unroll(2):
+                            block_scale(
+                                amax[r, h],
+                                round_sf,
+                                sf_value,
+                                multiplier,
+                                dx_sf,
+                                sf_base + h * blocks_per_half + kblock,
+                                owner,
+                            )
+                            multipliers[r, h] = multiplier[0]
+                        if unit < hidden_units:
+                            q_offset = (T.cast(row, "int64") * 2 * hidden_units + unit) * chunk
+                            store_encoded_vector(dx_q, q_offset, d_gate, r, 0, multipliers[r, 0], E4M3, chunk, codes)
+                            store_encoded_vector(
+                                dx_q, q_offset + hidden, d_up, r, 0, multipliers[r, 1], E4M3, chunk, codes
+                            )
+
+                # 4. dweight[slot] = Σ go · act over the row (fixed order: deterministic).
+                for step in T.unroll(5):
+                    row_sum[0] = row_sum[0] + T.shfl_xor(row_sum[0], 1 << step)
+                T.sync_threads()
+                if lane == 0:
+                    exchange[warp] = row_sum[0]
+                T.sync_threads()
+                if active and thread_in_group == 0 and slot[0] >= 0 and slot[0] < num_slots:
+                    first_warp = T.shift_right(group_in_cta * threads_per_row, 5)
+                    row_sum[0] = T.float32(0)
+                    for w in T.serial(T.shift_right(threads_per_row, 5)):
+                        row_sum[0] = row_sum[0] + exchange[first_warp + w]
+                    dweight[slot[0]] = row_sum[0]
+
+    return kernel
+
+
+def _load_width(tensor: torch.Tensor, limit_bytes: int) -> int:
+    """Widest load (elements, at most ``limit_bytes``) that the row stride and base address allow."""
+    element_bytes = tensor.element_size()
+    vector = limit_bytes // element_bytes
+    while vector > 1 and (
+        (tensor.shape[0] > 1 and tensor.stride(0) % vector) or tensor.data_ptr() % (vector * element_bytes)
+    ):
+        vector //= 2
+    return vector
+
+
+def swiglu_backward_and_per_token_cast(
+    x,
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    pos_to_token_topk: torch.Tensor,
+    token_topk_to_pos: torch.Tensor,
+    num_per_channels: int,
+    round_sf: bool = False,
+    swiglu_clamp_value: float | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Backward of ``out = silu(g) · u · w`` from the quantized forward input, dx also quantized; same
+    contract as the reference twin (``dx_q``, ``dx_sf`` bit for bit; ``out``, ``dx`` the same fp32
+    sequence; ``dweight`` an fp32 sum within the documented bound), except that the two mappings are
+    trusted: their ranges and inverse relation are not checked (data-dependent: a device
+    synchronization on every call)."""
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        raise TypeError(f"x must be a (x_q, x_sf) pair, got {type(x).__name__}")
+    x_q, x_sf = x
+    check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    check_unit_inner_stride("x[0]", x_q)
+    rows, hidden = x_q.shape[0], _check_gate_up("x[0]", x_q)
+    _check_int("num_per_channels", num_per_channels)
+    if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
+        raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
+    if hidden % num_per_channels:
+        raise ValueError(
+            f"the hidden size {hidden} must be a multiple of num_per_channels ({num_per_channels}), so that no "
+            "scale block spans both halves [g | u]"
+        )
+    kblocks = 2 * hidden // num_per_channels
+    check_scale_tensor("x[1]", x_sf, rows=rows, kblocks=kblocks, layout=ScaleLayout("row_major"), device=x_q.device)
+    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=2)
+    check_unit_inner_stride("grad_out", grad_out)
+    if tuple(grad_out.shape) != (rows, hidden):
+        raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
+    _check_on_device("grad_out", grad_out, x_q.device)
+    _check_topk_weights("weight", weight, x_q.device)
+    _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
+    check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
+    if token_topk_to_pos.shape != weight.shape:
+        raise ValueError(
+            f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
+        )
+    _check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    if weight.numel() >= 2**31:
+        raise ValueError(f"weight must have fewer than 2^31 elements, got {weight.numel()}")
+    round_sf = check_scale_flags(E4M3, round_sf, False)
+    clamp_value = _check_clamp(swiglu_clamp_value)
+    require_cuda("x[0]", x_q)
+
+    device = x_q.device
+    out = new_output(torch.empty((rows, hidden), dtype=torch.bfloat16, device=device))
+    dx_q = new_output(torch.empty((rows, 2 * hidden), dtype=torch.float8_e4m3fn, device=device))
+    dx_sf = new_output(torch.empty((rows, kblocks), dtype=torch.float32, device=device))
+    dx = new_output(torch.empty((rows, 2 * hidden), dtype=torch.bfloat16, device=device))
+    dweight = new_output(torch.empty(tuple(weight.shape), dtype=torch.float32, device=device))
+    if rows == 0 and weight.numel() == 0:
+        return out, (dx_q, dx_sf), dx, dweight
+
+    q_vector = _load_width(x_q, CHUNK)
+    go_vector = _load_width(grad_out, 2 * CHUNK)
+    units = hidden // CHUNK
+    threads_per_row = 32
+    while threads_per_row < THREADS and threads_per_row < units:
+        threads_per_row *= 2
+    units_per_thread = ceil_div(units, threads_per_row)
+    kernel = swiglu_backward_kernel(num_per_channels, q_vector, go_vector, clamp_value is not None, units_per_thread)
+    if compiling_only():
+        return out, (dx_q, dx_sf), dx, dweight
+
+    groups_per_cta = THREADS // threads_per_row
+    slots = weight.numel()
+    num_ctas = max(1, min(sm_count(device) * MIN_BLOCKS, max(ceil_div(rows, groups_per_cta), ceil_div(slots, THREADS))))
+    placeholder_int = torch.zeros(1, dtype=torch.int32, device=device)
+    slot_words, slot_stride, _ = _index_words(pos_to_token_topk, 0)
+    if token_topk_to_pos.numel():
+        words = 2 if token_topk_to_pos.dtype == torch.int64 else 1
+        row_words = flat_view(token_topk_to_pos).view(torch.int32)
+        row_strides = (token_topk_to_pos.stride(0) * words, token_topk_to_pos.stride(1) * words, words - 1)
+    else:
+        row_words, row_strides = placeholder_int, (0, 0, 0)
+    weight_argument = flat_view(weight) if weight.numel() else torch.zeros(1, dtype=torch.float32, device=device)
+    go_argument = flat_view(grad_out).view(torch.int32) if go_vector % 2 == 0 else flat_view(grad_out)
+    empty_float = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def flat_or(tensor, fallback):
+        return flat_view(tensor) if tensor.numel() else fallback
+
+    kernel(
+        flat_or(x_q, torch.zeros(1, dtype=torch.float8_e4m3fn, device=device)),
+        flat_or(x_sf, empty_float),
+        go_argument if grad_out.numel() else torch.zeros(1, dtype=go_argument.dtype, device=device),
+        weight_argument,
+        slot_words if slot_words is not None else placeholder_int,
+        row_words,
+        flat_or(out, torch.zeros(1, dtype=torch.bfloat16, device=device)),
+        flat_or(dx_q, torch.zeros(1, dtype=torch.float8_e4m3fn, device=device)),
+        flat_or(dx_sf, empty_float),
+        flat_or(dx, torch.zeros(1, dtype=torch.bfloat16, device=device)),
+        flat_or(dweight, empty_float),
+        num_ctas,
+        rows,
+        units,
+        x_q.stride(0) // q_vector if rows > 1 else 2 * hidden // q_vector,
+        x_sf.stride(0) if rows > 1 else kblocks,
+        grad_out.stride(0) // go_vector if rows > 1 else hidden // go_vector,
+        threads_per_row.bit_length() - 1,
+        slot_stride,
+        *row_strides,
+        slots,
+        weight.shape[1] if weight.shape[1] else 1,
+        weight.stride(0),
+        weight.stride(1),
+        int(round_sf),
+        float("inf") if clamp_value is None else float(torch.tensor(clamp_value, dtype=torch.float32)),
+    )
+    return out, (dx_q, dx_sf), dx, dweight
