@@ -89,6 +89,7 @@ class QuantParams:
     hidden: int
     row_stride: int | None = None  # elements between rows of x; None: contiguous
     special: str = ""  # "naninf": NaN, +Inf and -Inf in the input
+    sf_shift: int = 0  # precomputed sf: the given scales are sf_only's times 2^sf_shift (< 0: saturation acts)
 
     @property
     def kblocks(self) -> int:
@@ -188,6 +189,15 @@ BENCHMARKS: dict[str, list[tuple[str, QuantParams]]] = {
     ],
 }
 QUICK_BENCHMARKS = {"decode: e4m3 1×128, 128 tokens"}
+# Given scales a quarter of what the data needs: even a power-of-two scale rounded up by almost 2
+# then maps a block's amax to at least 2·Qmax, so saturation (±448 / ±6) acts in every block above
+# the amax floor. Without these, a kernel that forgot to saturate would pass every other case.
+# Float layouts only (scaling packed UE8M0 words would need exponent arithmetic).
+SATURATING = [
+    QuantParams("e4m3", 128, "bf16", "plain", 37, 1040, sf_shift=-2),
+    QuantParams("e4m3", 32, "fp32", "round+colmajor", 5, 208, 272, sf_shift=-2),
+    QuantParams("e2m1", 16, "bf16", "colmajor", 64, 1040, sf_shift=-2),
+]
 # Large cases of the full tier (timed there because of their size, not named workloads).
 LARGE = {
     "per_token_cast": [QuantParams("e4m3", 128, "fp32", "round+colmajor", 8192, _DS)],
@@ -271,10 +281,13 @@ class QuantOp(OpSpec):
 
     def label(self, p: QuantParams) -> str:
         label = f"{self.name}/{p.fmt}/C{p.num_per_channels}/{p.dtype}/{_shape_text(p)}/{p.flags}"
-        return label + (f"/{p.special}" if p.special else "")
+        label += f"/{p.special}" if p.special else ""
+        return label + (f"/sf2^{p.sf_shift}" if p.sf_shift else "")
 
     def cases(self, tier: str) -> list[Case]:
         cases = [Case(self.name, self.label(p), p) for p in _primary_and_edges(tier)]
+        if self.variant == "precomputed_sf":
+            cases += [Case(self.name, self.label(p), p) for p in SATURATING]
         for title, p in BENCHMARKS.get(self.name, []):
             if tier == "full" or title in QUICK_BENCHMARKS:
                 cases.append(Case(self.name, self.label(p), p, benchmark=True, title=title))
@@ -303,6 +316,8 @@ class QuantOp(OpSpec):
                 sf = p.layout.empty(p.tokens, p.kblocks, device)
             else:
                 sf = reference.per_token_cast_with_sf_only(x, p.fmt, p.num_per_channels, **p.flag_kwargs)
+                if p.sf_shift:
+                    sf.mul_(2.0**p.sf_shift)  # exact (a power of two); in place keeps the scale layout
             args += (sf,)
         return Call(args, p.flag_kwargs)
 
@@ -362,6 +377,16 @@ class QuantOp(OpSpec):
         else:  # precomputed_sf
             sf = call.args[3]
             restored = reference.cast_back((outputs[0], sf), "fp32", (1, p.num_per_channels))
+            if p.sf_shift:
+                # Scales too small on purpose: the data must be the source clamped at ±Qmax·sf.
+                scales = reference.scales_from_layout(sf, p.kblocks).repeat_interleave(p.num_per_channels, dim=1)
+                limit = scales[:, : p.hidden] * CAST_FORMATS[p.fmt].qmax
+                clamped = torch.maximum(torch.minimum(x.float(), limit), -limit)
+                checks.append(_round_trip_check(clamped, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+                saturated = bool((x.float().abs() > limit).any())
+                detail = "" if saturated else "no element exceeds Qmax·sf: the case does not test saturation"
+                checks.append(Check("saturation acts", PASS if saturated else FAIL, "some |x/sf| > Qmax", "", detail))
+                return checks
             checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt]))
             if p.power_of_two_scales:
                 # With power-of-two scales both multipliers are the exact 1/sf: same bytes, except

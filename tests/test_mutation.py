@@ -144,13 +144,19 @@ def test_every_mutant_of_a_registered_operator_is_killed():
         assert result.killer and result.status == KILLED and "[" in result.evidence  # the check and its bound
 
 
-def test_a_known_gap_survives_without_failing_the_self_test():
+def test_the_per_token_saturation_gap_is_closed(seed):
+    """per_token_cast_with_precomputed_sf has cases whose given scales are a quarter of what the data
+    needs: a conversion without saturation is killed there, and the reference's own self-check sees
+    saturation act; no mutant is a known gap any more."""
+    assert KNOWN_GAPS == {}
     gap = _mutant("per_token_cast_with_precomputed_sf:e4m3-unsaturated")
-    outcome = mutation.run_mutants([gap], max_cases=3)
-    (result,) = outcome.results
-    assert result.status == SURVIVED and result.cases_run == 3 and "smaller than" in result.known_gap
-    assert outcome.exit_status == 0
-    assert "(1 known gap)" in mutation.family_line("quant", outcome.families()["quant"])
+    result = mutation.run_mutant(gap)
+    assert result.status == KILLED and result.killer.endswith("/sf2^-2")
+    spec = registry.get_op(gap.op)
+    case = next(c for c in registry.cases_of(gap.op, "quick") if c.label == result.killer)
+    call = spec.build(case, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    checks = {c.name: c.status for c in spec.self_check(case, call, spec.split(call(spec.reference())))}
+    assert checks["saturation acts"] == checks["reference round trip"] != FAIL
 
 
 def test_the_block_cast_saturation_gap_is_closed(seed):
