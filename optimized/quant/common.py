@@ -20,6 +20,20 @@ def float_bits_abs(value):
 
 
 @T.macro
+def cta_amax_bits(amax, warp_amax, lane, warp, warps: int):
+    """``amax[0]`` (abs bits, this thread's maximum) → the maximum over the whole CTA, in every
+    thread: a warp ``shfl_xor`` butterfly, then one shared-memory slot per warp (``warp_amax``,
+    ``warps`` int32) and a barrier. Integer maxima of abs bits keep NaN ranked above Inf."""
+    for step in T.unroll(5):
+        amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << step))
+    if lane == 0:
+        warp_amax[warp] = amax[0]
+    T.sync_threads()
+    for w in T.unroll(warps):
+        amax[0] = T.max(amax[0], warp_amax[w])
+
+
+@T.macro
 def scale_and_multiplier(amax_bits, fmt: QuantFormat, round_sf, sf, multiplier):
     """Block amax (abs bits) → ``sf`` and ``multiplier`` (two local fp32 vars), contract §1."""
     floor_bits = T.reinterpret(T.float32(fmt.amax_floor), "int32")

@@ -25,7 +25,7 @@ from tileproof.reference.contract import (
 )
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
-from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
+from .common import cta_amax_bits, float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index
 
 # Field constants of the encoding (reference/quant.py's module docstring states the rules).
@@ -160,13 +160,7 @@ def per_row_e5m6_cast_kernel(
             for i in T.unroll(items):
                 for e in T.unroll(chunk):
                     amax[0] = T.max(amax[0], float_bits_abs(values[i, e]))
-            for step in T.unroll(5):
-                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << step))
-            if lane == 0:
-                warp_amax[warp] = amax[0]
-            T.sync_threads()
-            for w in T.unroll(warps):
-                amax[0] = T.max(amax[0], warp_amax[w])
+            cta_amax_bits(amax, warp_amax, lane, warp, warps)
 
             # 3. Scale and multiplier (the common rule with e5m6's Qmax and floor); thread 0 stores sf.
             scale_and_multiplier(amax[0], E5M6, round_sf != 0, sf_value, multiplier)

@@ -36,7 +36,7 @@ from tileproof.reference.contract import (
 )
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
-from .common import e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
+from .common import cta_amax_bits, e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
 
 # Default schedule (threads per CTA, segments per thread in flight); see ``schedule``.
 THREADS = 64
@@ -410,13 +410,7 @@ def per_row_cast_kernel(in_dtype: str, fmt_name: str, hidden: int, vector: int, 
             for i in T.unroll(vectors_per_thread):
                 for e in T.unroll(vector):
                     amax[0] = T.max(amax[0], float_bits_abs(values[i, e]))
-            for step in T.unroll(5):
-                amax[0] = T.max(amax[0], T.shfl_xor(amax[0], 1 << step))
-            if lane == 0:
-                warp_amax[warp] = amax[0]
-            T.sync_threads()
-            for w in T.unroll(warps):
-                amax[0] = T.max(amax[0], warp_amax[w])
+            cta_amax_bits(amax, warp_amax, lane, warp, warps)
 
             if mode == MODE_PRECOMPUTED_SF:
                 if packed_ue8m0:
