@@ -48,6 +48,26 @@ def scale_and_multiplier(amax_bits, fmt: QuantFormat, round_sf, sf, multiplier):
         multiplier[0] = T.ieee_fdiv(T.float32(1.0), sf[0])
 
 
+def division_magic(divisor: int) -> tuple[int, int]:
+    """``(magic, shift)`` with ``n // divisor == (n · magic) >> shift`` for every ``0 <= n < 2^31``.
+
+    ``shift = 31 + ceil(log2 divisor)``, ``magic = ceil(2^shift / divisor) < 2^32``: the excess
+    ``e = magic - 2^shift / divisor < 1`` adds ``n · e / 2^shift < 1 / divisor`` to ``n / divisor``,
+    which cannot reach the next integer (the classic round-up method). Kernels find a flattened
+    index's row with it (``divide_by_magic``) instead of a ~20-instruction integer division."""
+    if divisor < 1:
+        raise ValueError(f"divisor must be >= 1, got {divisor}")
+    shift = 31 + (divisor - 1).bit_length()
+    return -(-(1 << shift) // divisor), shift
+
+
+def divide_by_magic(n, magic, shift):
+    """``n // divisor`` (int32, ``0 <= n < 2^31``) from ``division_magic(divisor)`` passed as runtime
+    scalars (``magic`` int64, ``shift`` int32): one wide multiply and a shift."""
+    product = T.cast(n, "uint64") * T.cast(magic, "uint64")
+    return T.cast(T.shift_right(product, T.cast(shift, "uint64")), "int32")
+
+
 def ue8m0_byte(sf):
     """The biased exponent of a power-of-two fp32 scale (0xFF for Inf and NaN)."""
     return T.cast((T.reinterpret(sf, "uint32") >> 23) & 0xFF, "uint8")
