@@ -282,6 +282,16 @@ class TopkGateOp(MoeOp):
         p: GateParams = case.params
         return p.tokens * p.experts * 4 + p.tokens * p.topk * 8
 
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The kernel's static configuration (experts per lane, load width, output slots per lane)."""
+        p: GateParams = case.params
+        if self.optimized() is None or p.tokens == 0:
+            return None
+        router = importlib.import_module("tileproof.optimized.moe.router")
+        per_lane = router.entries_per_lane(p.experts)
+        row_strides = [p.experts + p.padding] if p.tokens > 1 else []
+        return (self.name, per_lane, router.load_width(per_lane, p.experts, row_strides), ceil_div(p.topk, 32))
+
     def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
         p: GateParams = case.params
         layout = _layout_check(self.outputs, outputs, (_meta((p.tokens, p.topk), torch.int64),))
@@ -323,6 +333,14 @@ class GroupTopkOp(MoeOp):
     def bytes_moved(self, case: Case) -> int:
         p: GateParams = case.params
         return p.tokens * p.experts * 4 + p.tokens * p.topk * 8
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The kernel's static configuration (groups per lane, output slots per lane)."""
+        p: GateParams = case.params
+        if self.optimized() is None or p.tokens == 0:
+            return None
+        router = importlib.import_module("tileproof.optimized.moe.router")
+        return (self.name, router.entries_per_lane(p.groups), ceil_div(p.topk, 32))
 
     def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
         p: GateParams = case.params
@@ -592,6 +610,18 @@ class Top2SumGateOp(MoeOp):
         twin = optimized_twin("moe", self.name)
         return None if twin is None else _router_with_buffer(twin)
 
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The kernel's static configuration (experts per lane, load width, scoring, group size,
+        output slots per lane); the optional inputs are runtime switches of one kernel."""
+        p: RouterParams = case.params
+        if self.optimized() is None or p.tokens == 0:
+            return None
+        router = importlib.import_module("tileproof.optimized.moe.router")
+        group_size = p.experts // p.groups if p.groups != p.topk_groups else 0
+        per_lane = router.router_per_lane(p.experts, group_size)
+        vector = router.load_width(per_lane, p.experts, [p.experts])
+        return (self.name, per_lane, vector, p.scoring, group_size, ceil_div(p.slots, 32))
+
     def bytes_moved(self, case: Case) -> int:
         p: RouterParams = case.params
         T, R, k = p.tokens, p.experts, p.topk
@@ -734,6 +764,13 @@ class NormalizeWeightOp(MoeOp):
             weights[3, 1:] = 0.0
         return Call((weights.to(device),))
 
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The kernel is static in k alone (layouts are a runtime switch); no tokens, no launch."""
+        p: WeightParams = case.params
+        if self.optimized() is None or p.tokens == 0:
+            return None
+        return (self.name, p.topk)
+
     def bytes_moved(self, case: Case) -> int:
         p: WeightParams = case.params
         return 2 * p.tokens * p.topk * 4 + p.tokens * 4
@@ -872,6 +909,16 @@ class IndexOp(MoeOp):
         if twin is None or self.name != "inplace_unique_group_indices":
             return twin
         return _on_a_copy(twin)
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The kernels are static in the index dtype alone. aux_fi and group_count launch for T = 0
+        too (their per-expert results are written by a kernel); the other two have nothing to do."""
+        p: IndexParams = case.params
+        if self.optimized() is None:
+            return None
+        if p.tokens == 0 and self.name in ("mask_indices_by_tp", "inplace_unique_group_indices"):
+            return None
+        return (self.name, p.dtype)
 
     def bytes_moved(self, case: Case) -> int:
         p: IndexParams = case.params
@@ -1171,6 +1218,23 @@ class FusedOp(MoeOp):
             sf = torch.tensor([FP8_OUTPUT_SF if p.fp8 else PLAIN_OUTPUT_SF], dtype=torch.float32, device=device)
         data = (x, x_sf) if p.x_sf else x
         return Call((data, weights, token_topk_to_pos, "e4m3" if p.fp8 else "", sf))
+
+    def compile_group(self, case: Case) -> Hashable | None:
+        """The expand / reduce kernels are static only in their element types and vector width (the
+        largest power of two up to 16 bytes dividing the row and row stride); sizes, strides and
+        reduce's optional inputs are runtime values, so cases that share these share their kernels."""
+        if self.optimized() is None:
+            return super().compile_group(case)
+        p: FusedParams = case.params
+        if self.name == "get_fused_mapping":
+            return (self.name, p.dtype)  # its three kernels are static only in topk_idx's dtype
+        element = DATA_DTYPES[p.x_dtype].itemsize
+        row_bytes = p.hidden * element
+        stride_bytes = (p.row_stride or p.hidden) * element if p.tokens > 1 else row_bytes
+        vector_bytes = min(16, row_bytes & -row_bytes or 16, stride_bytes & -stride_bytes or 16)
+        if self.name == "reduce_fused":
+            return None if p.tokens == 0 else (self.name, p.x_dtype, p.fp8, vector_bytes)
+        return (self.name, vector_bytes)
 
     # -- bytes --
 

@@ -198,7 +198,11 @@ class TransposeOp(OpSpec):
         return optimized_twin("transpose", self.name)
 
     def compile_group(self, case: Case) -> Hashable | None:
-        return None if self.optimized() is None else case.label
+        p: TransposeParams = case.params
+        if self.optimized() is None or 0 in p.shape:
+            return None  # no twin, or nothing to launch
+        # Both operators share one kernel per element width: sizes, strides and alignment are runtime values.
+        return ("transpose", DTYPES[p.dtype].itemsize)
 
     def bytes_moved(self, case: Case) -> int:
         p: TransposeParams = case.params

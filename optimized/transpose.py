@@ -1,0 +1,375 @@
+"""Optimized twin of the transpose family (contract §3): one TileLang kernel for every element width.
+
+Same public names, argument order and results (bit for bit) as ``tileproof.reference.transpose``.
+A transpose moves bytes and never computes: the kernel sees ``x`` and the output as flat byte
+arrays and moves elements of ``element_bytes`` (1, 2, 4, 8 or 16: complex128 is one 16-byte
+element) as 32-bit words and byte permutes, so no value is ever converted.
+
+Kernel design (memory-bound: read every element once, write it once). A CTA moves one *tile* of
+``tile_rows × tile_cols`` elements of one matrix through shared memory; ``V = 16 / element_bytes``
+elements make one 16-byte *chunk*.
+
+- Loads: the tile is ``tile_rows`` input rows of ``tile_n_vectors`` chunks (``tile_cols = V ·
+  tile_n_vectors``); consecutive lanes take consecutive chunks of a row, so a warp reads whole
+  128-byte row segments. Every thread issues all its loads before it stores any to shared memory
+  (independent 16-byte loads in flight).
+- Stores: the output tile is ``tile_cols`` rows of ``tile_m_vectors`` chunks (``tile_rows = V ·
+  tile_m_vectors``). A thread takes a *unit*: ``V`` consecutive input rows × ``column_bytes`` bytes
+  of shared memory, i.e. ``column_bytes / element_bytes`` output rows of one 16-byte chunk each. It
+  reads the ``V`` row pieces (one ``column_bytes``-wide shared load each), transposes them in
+  registers and stores each output chunk with one 16-byte store. Consecutive lanes take
+  consecutive chunks of the same output rows: a warp writes whole 128-byte row segments.
+- The register transpose: 4- to 16-byte elements are whole words, only renamed; 2-byte elements
+  are paired by one ``__byte_perm`` per output word (the low or the high halves of two words);
+  1-byte elements by two rounds of ``__byte_perm`` (pairs of rows interleaved, then pairs of
+  pairs), eight per four output words.
+- Bank conflicts: chunk ``q`` of tile row ``r`` lives at chunk ``q ^ ((r / V) mod 8)`` of its row
+  (shared rows are multiples of 128 bytes, so a chunk's banks depend only on its position mod 8).
+  A load's quarter-warp writes 8 consecutive chunks of one row (a permutation of the 8 bank
+  groups); a unit read by 8 lanes of consecutive ``a = r / V`` and the same column finds them in
+  8 distinct bank groups, and 2 or 4 column pieces of one chunk (``column_bytes`` 8 or 4) fill
+  the rest of the 32 banks: with ``tile_m_vectors = 8`` every shared access is conflict-free.
+- Tails and alignment, all runtime values (one compiled kernel per element width and schedule):
+  rows past M are not loaded and their output elements never stored; the chunk straddling N is
+  loaded element by element, chunks past it not at all. ``load_bytes`` (16, 8, 4, 2 or 1: the
+  alignment of the base address, the row stride and the batch stride) splits every 16-byte load
+  into aligned pieces, ``store_bytes`` (the alignment of an output row, ``M · element_bytes``)
+  every 16-byte store, each piece masked against M. One copy of the load loop and of the store
+  loop per width, behind a branch uniform across the grid: the aligned path stays branch-free.
+- Grid: one CTA per (matrix, tile), all on grid x (grid y and z stop at 65535); consecutive CTAs
+  take consecutive tiles along M (``m_fastest``) or along N.
+"""
+
+import tilelang.language as T
+import torch
+
+from tileproof.reference.transpose import _check_transpose_input
+
+from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+
+__all__ = ["transpose", "batched_transpose"]
+
+CHUNK_BYTES = 16  # one global vector: 16-byte loads and stores
+ELEMENT_BYTES = (1, 2, 4, 8, 16)
+# ``__byte_perm`` selectors (nibble n: the source byte of result byte n, 0-3 the first word, 4-7 the
+# second): 0x5140 interleaves bytes 0, 1 of two words and 0x7362 bytes 2, 3; 0x5410 takes the low
+# halves of two words and 0x7632 the high halves. Both high selections are the low ones + 0x2222.
+INTERLEAVE_LOW_BYTES = 0x5140
+LOW_HALVES = 0x5410
+HIGH_SELECTION_STEP = 0x2222
+MAX_GRID_X = 2**31 - 1
+MAX_SIDE = 2**31 - 2**16  # M and N: tile indices are int32 (a tile may reach past the last row or column)
+
+# Default schedule per element width: (tile_m_vectors, tile_n_vectors, threads, column_bytes). Tiles
+# of 128-byte output rows and 128- to 1024-byte input rows, 8 to 16 KB per CTA; to be swept on the H200.
+SCHEDULES = {
+    1: (8, 8, 256, 4),
+    2: (8, 16, 256, 8),
+    4: (8, 32, 256, 16),
+    8: (8, 32, 256, 16),
+    16: (8, 64, 256, 16),
+}
+
+
+def schedule(element_bytes: int) -> dict:
+    """The static parameters of ``transpose_kernel`` for an element width (``SCHEDULES``)."""
+    tile_m_vectors, tile_n_vectors, threads, column_bytes = SCHEDULES[element_bytes]
+    return {
+        "tile_m_vectors": tile_m_vectors,
+        "tile_n_vectors": tile_n_vectors,
+        "threads": threads,
+        "column_bytes": column_bytes,
+    }
+
+
+def byte_perm(low_word, high_word, selector):
+    """``__byte_perm``: byte ``n`` of the result is byte ``selector`` nibble ``n`` of the 8-byte
+    value ``high_word:low_word`` (one PRMT instruction)."""
+    return T.call_extern("uint32", "__byte_perm", low_word, high_word, selector)
+
+
+@jit()
+def transpose_kernel(
+    element_bytes: int,
+    tile_m_vectors: int = 8,
+    tile_n_vectors: int = 8,
+    threads: int = 256,
+    column_bytes: int = 16,
+    min_blocks: int = 0,
+    m_fastest: bool = True,
+):
+    """Factory over the static parameters; every size, stride and alignment is a runtime value.
+
+    Static: ``element_bytes`` (1, 2, 4, 8, 16); the tile, ``tile_m_vectors`` output chunks ×
+    ``tile_n_vectors`` input chunks (a power of two >= 8); ``threads``; ``column_bytes`` (4, 8 or 16:
+    the shared-memory read per input row of a unit); ``min_blocks`` (CTAs per SM to fit, which
+    bounds the registers; 0: no bound); ``m_fastest`` (the CTA order).
+
+    ``x`` and ``out`` are the flat bytes of the input (from its first element) and of the
+    contiguous output. Runtime: ``rows`` (M), ``cols`` (N), the tile counts, the row and batch
+    strides of ``x`` in bytes, and ``load_bytes`` / ``store_bytes`` (the widest aligned access to
+    an input / output row, see the module docstring).
+    """
+    vector = CHUNK_BYTES // element_bytes  # elements per chunk
+    tile_rows = tile_m_vectors * vector
+    tile_cols = tile_n_vectors * vector
+    row_bytes = tile_n_vectors * CHUNK_BYTES  # one tile row in shared memory
+    chunks = tile_rows * tile_n_vectors
+    loads = -(-chunks // threads)  # chunks each thread loads (the last round may leave threads idle)
+    units = tile_m_vectors * (row_bytes // column_bytes)
+    unit_rounds = -(-units // threads)
+    out_rows_per_unit = column_bytes // element_bytes
+    pieces_per_chunk = CHUNK_BYTES // column_bytes
+    column_words = column_bytes // 4
+    element_words = max(1, element_bytes // 4)  # 32-bit words per element (register transpose)
+    # Access widths a row may be aligned to (an element is always aligned to its own size).
+    piece_widths = [width for width in (16, 8, 4, 2, 1) if width >= element_bytes]
+    if element_bytes not in ELEMENT_BYTES:
+        raise ValueError(f"element_bytes must be one of {ELEMENT_BYTES}, got {element_bytes}")
+    if column_bytes not in (4, 8, 16) or column_bytes < element_bytes:
+        raise ValueError(f"column_bytes must be 4, 8 or 16 and hold an element, got {column_bytes}")
+    if tile_n_vectors < 8 or tile_n_vectors & (tile_n_vectors - 1):
+        raise ValueError(f"tile_n_vectors must be a power of two >= 8 (the swizzle), got {tile_n_vectors}")
+    if threads % 32 or threads > 1024:
+        raise ValueError(f"threads must be a multiple of 32 up to 1024, got {threads}")
+
+    x_span = T.dynamic("x_span", "int64")  # bytes: a tensor may exceed 2 GB
+    out_span = T.dynamic("out_span", "int64")
+
+    def swizzled(row, row_block, chunk):
+        """Byte offset of ``chunk`` of tile row ``row`` (``row_block = row / V``) in shared memory."""
+        return row * row_bytes + (chunk ^ (row_block % 8)) * CHUNK_BYTES
+
+    @T.macro
+    def load_chunk(x, loaded, k, row_offset, chunk_column, piece_bytes: int):
+        """Chunk ``chunk_column`` (16 bytes) of the row at byte ``row_offset`` into ``loaded[k]``,
+        in aligned pieces of ``piece_bytes``."""
+        first_piece = row_offset // piece_bytes + chunk_column * (CHUNK_BYTES // piece_bytes)
+        for p in T.unroll(CHUNK_BYTES // piece_bytes):
+            for e in T.vectorized(piece_bytes):
+                loaded[k, p * piece_bytes + e] = x[(first_piece + p) * piece_bytes + e]
+
+    @T.macro
+    def load_partial_chunk(x, loaded, k, row_offset, column, cols):
+        """The elements of a chunk straddling N (from element ``column``) one by one."""
+        first_element = row_offset // element_bytes + column
+        for p in T.unroll(vector):
+            if column + p < cols:
+                for e in T.vectorized(element_bytes):
+                    loaded[k, p * element_bytes + e] = x[(first_element + p) * element_bytes + e]
+
+    @T.macro
+    def store_chunk(out, chunk, j, row_offset, chunk_column, first_row, rows, piece_bytes: int):
+        """``chunk[j]`` (16 bytes: output elements from ``first_row``) into the output row at byte
+        ``row_offset``, in aligned pieces of ``piece_bytes``, each masked against M (a piece never
+        straddles M: M · element_bytes is a multiple of ``piece_bytes``)."""
+        first_piece = row_offset // piece_bytes + chunk_column * (CHUNK_BYTES // piece_bytes)
+        for p in T.unroll(CHUNK_BYTES // piece_bytes):
+            if first_row + p * (piece_bytes // element_bytes) < rows:
+                for e in T.vectorized(piece_bytes):
+                    out[(first_piece + p) * piece_bytes + e] = chunk[j, p * piece_bytes + e]
+
+    @T.macro
+    def transpose_unit(block, chunk_registers):
+        """``block[i, w]`` (word ``w`` of the unit's piece of input row ``i``) → ``chunk_registers[j, k]``
+        (word ``k`` of output chunk ``j``: the unit's elements of input column ``j``)."""
+        if element_bytes == 1:
+            for j in T.unroll(out_rows_per_unit):
+                for k in T.unroll(4):
+                    # Byte j % 4 of word j / 4 of rows 4k .. 4k+3: interleave rows (4k, 4k+1) and
+                    # (4k+2, 4k+3) bytewise, then take the matching halves of the two pairs.
+                    pairs = INTERLEAVE_LOW_BYTES + (j % 4 // 2) * HIGH_SELECTION_STEP
+                    upper = byte_perm(block[4 * k, j // 4], block[4 * k + 1, j // 4], pairs)
+                    lower = byte_perm(block[4 * k + 2, j // 4], block[4 * k + 3, j // 4], pairs)
+                    chunk_registers[j, k] = byte_perm(upper, lower, LOW_HALVES + (j % 2) * HIGH_SELECTION_STEP)
+        elif element_bytes == 2:
+            for j in T.unroll(out_rows_per_unit):
+                for k in T.unroll(4):
+                    halves = LOW_HALVES + (j % 2) * HIGH_SELECTION_STEP
+                    chunk_registers[j, k] = byte_perm(block[2 * k, j // 2], block[2 * k + 1, j // 2], halves)
+        else:
+            for j in T.unroll(out_rows_per_unit):
+                for i in T.unroll(vector):
+                    for h in T.unroll(element_words):
+                        chunk_registers[j, i * element_words + h] = block[i, j * element_words + h]
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((x_span,), "uint8"),
+        out: T.Tensor((out_span,), "uint8"),
+        rows: T.int32,
+        cols: T.int32,
+        tiles_m: T.int32,
+        tiles_n: T.int32,
+        num_ctas: T.int32,
+        x_row_bytes: T.int64,
+        x_batch_bytes: T.int64,
+        load_bytes: T.int32,
+        store_bytes: T.int32,
+    ):
+        with T.Kernel(num_ctas, threads=threads) as (cta,):
+            if min_blocks:
+                T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            tile = T.alloc_shared((tile_rows * row_bytes,), "uint8")
+            # Register arrays of 32-bit words, moved as bytes (TileLang declares each array with the
+            # type of its last view).
+            loaded = T.alloc_local((loads, CHUNK_BYTES), "uint8")
+            T.view(loaded, (loads, CHUNK_BYTES // 4), "uint32")
+            block_bytes = T.alloc_local((vector * column_bytes,), "uint8")
+            block = T.view(block_bytes, (vector, column_words), "uint32")
+            chunk = T.alloc_local((out_rows_per_unit, CHUNK_BYTES), "uint8")
+            chunk_registers = T.view(chunk, (out_rows_per_unit, CHUNK_BYTES // 4), "uint32")
+
+            # Computed once into variables: TileLang would repeat each floor division at every use.
+            tile_m = T.alloc_var("int32")
+            tile_n = T.alloc_var("int32")
+            batch = T.alloc_var("int32")
+            if m_fastest:
+                tile_m = cta % tiles_m
+                tile_n = cta // tiles_m % tiles_n
+            else:
+                tile_n = cta % tiles_n
+                tile_m = cta // tiles_n % tiles_m
+            batch = cta // tiles_m // tiles_n
+            first_row = tile_m * tile_rows
+            first_col = tile_n * tile_cols
+            x_matrix = T.cast(batch, "int64") * x_batch_bytes
+
+            # 1. Every load of the tile in flight, then into shared memory. Whole chunks: one copy
+            #    of the loop per access width (a uniform branch outside it keeps the fast path
+            #    branch-free); the chunk straddling N, if any: element by element.
+            for piece_bytes in piece_widths:
+                if load_bytes == piece_bytes:
+                    for k in T.unroll(loads):
+                        r = (k * threads + tx) // tile_n_vectors
+                        q = (k * threads + tx) % tile_n_vectors
+                        if k * threads + tx < chunks and first_row + r < rows and first_col + (q + 1) * vector <= cols:
+                            load_chunk(
+                                x,
+                                loaded,
+                                k,
+                                x_matrix + T.cast(first_row + r, "int64") * x_row_bytes,
+                                tile_n * tile_n_vectors + q,
+                                piece_bytes,
+                            )
+            if vector > 1 and first_col + tile_cols > cols:
+                for k in T.unroll(loads):
+                    r = (k * threads + tx) // tile_n_vectors
+                    q = (k * threads + tx) % tile_n_vectors
+                    column = first_col + q * vector
+                    if k * threads + tx < chunks and first_row + r < rows and column < cols and column + vector > cols:
+                        load_partial_chunk(
+                            x, loaded, k, x_matrix + T.cast(first_row + r, "int64") * x_row_bytes, column, cols
+                        )
+            for k in T.unroll(loads):
+                r = (k * threads + tx) // tile_n_vectors
+                q = (k * threads + tx) % tile_n_vectors
+                if k * threads + tx < chunks:
+                    for e in T.vectorized(CHUNK_BYTES):
+                        tile[swizzled(r, r // vector, q) + e] = loaded[k, e]
+            T.sync_threads()
+
+            # 2. Units: V rows x column_bytes from shared memory -> output chunks.
+            out_row_bytes = T.cast(rows, "int64") * element_bytes
+            out_matrix_rows = T.cast(batch, "int64") * cols
+            for k in T.unroll(unit_rounds):
+                a = (k * threads + tx) % tile_m_vectors
+                g = (k * threads + tx) // tile_m_vectors
+                unit_first_row = first_row + a * vector
+                unit_first_col = first_col + g * out_rows_per_unit
+                if k * threads + tx < units and unit_first_row < rows and unit_first_col < cols:
+                    piece = (g % pieces_per_chunk) * column_bytes  # the unit's bytes inside its chunk
+                    for i in T.unroll(vector):
+                        for e in T.vectorized(column_bytes):
+                            block_bytes[i * column_bytes + e] = tile[
+                                swizzled(a * vector + i, a, g // pieces_per_chunk) + piece + e
+                            ]
+                    transpose_unit(block, chunk_registers)
+                    for piece_bytes in piece_widths:
+                        if store_bytes == piece_bytes:
+                            for j in T.unroll(out_rows_per_unit):
+                                if unit_first_col + j < cols:
+                                    store_chunk(
+                                        out,
+                                        chunk,
+                                        j,
+                                        (out_matrix_rows + unit_first_col + j) * out_row_bytes,
+                                        tile_m * tile_m_vectors + a,
+                                        unit_first_row,
+                                        rows,
+                                        piece_bytes,
+                                    )
+
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------
+
+
+def _alignment(*byte_counts: int) -> int:
+    """The widest access (16, 8, 4, 2 or 1 bytes) aligned at every one of ``byte_counts``."""
+    width = CHUNK_BYTES
+    while width > 1 and any(count % width for count in byte_counts):
+        width //= 2
+    return width
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, plan: dict) -> None:
+    """Compile (or fetch) ``transpose_kernel`` with the static parameters ``plan`` and launch it:
+    ``out [B, N, M]`` (fresh, contiguous) ← ``x [B, M, N]`` transposed. ``batched_transpose`` passes
+    ``schedule(element_bytes)``; a benchmark may pass another schedule."""
+    batches, rows, cols = x.shape
+    if out.numel() == 0:
+        return
+    element_bytes = x.element_size()
+    vector = CHUNK_BYTES // element_bytes
+    tiles_m = -(-rows // (plan["tile_m_vectors"] * vector))
+    tiles_n = -(-cols // (plan["tile_n_vectors"] * vector))
+    num_ctas = batches * tiles_m * tiles_n
+    if max(rows, cols) > MAX_SIDE:
+        raise ValueError(f"x of shape {tuple(x.shape)}: at most {MAX_SIDE} rows and columns (int32 tile indices)")
+    if num_ctas > MAX_GRID_X:
+        raise ValueError(f"x of shape {tuple(x.shape)} needs {num_ctas} tiles, more than one launch has ({MAX_GRID_X})")
+    kernel = transpose_kernel(element_bytes, **plan)
+    if compiling_only():
+        return
+    # Strides of dimensions of size 1 never address memory: they constrain no alignment.
+    row_stride = x.stride(1) if rows > 1 else 0
+    batch_stride = x.stride(0) if batches > 1 else 0
+    load_bytes = _alignment(x.data_ptr(), row_stride * element_bytes, batch_stride * element_bytes)
+    store_bytes = _alignment(rows * element_bytes)
+    kernel(
+        flat_view(x).view(torch.uint8),
+        out.view(-1).view(torch.uint8),
+        rows,
+        cols,
+        tiles_m,
+        tiles_n,
+        num_ctas,
+        row_stride * element_bytes,
+        batch_stride * element_bytes,
+        load_bytes,
+        store_bytes,
+    )
+
+
+def batched_transpose(x: torch.Tensor) -> torch.Tensor:
+    """Swap the last two dimensions of a batch of matrices: ``out[b, j, i] = x[b, i, j]``; same
+    contract as ``tileproof.reference.transpose.batched_transpose`` (any dtype, 16-byte complex128
+    included; tails; row stride > N; free batch stride), bit for bit."""
+    _check_transpose_input("x", x, 3)
+    require_cuda("x", x)
+    batches, rows, cols = x.shape
+    out = new_output(torch.empty((batches, cols, rows), dtype=x.dtype, device=x.device))
+    launch(x, out, schedule(x.element_size()))
+    return out
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """Transpose one matrix: ``out[j, i] = x[i, j]``; same contract as
+    ``tileproof.reference.transpose.transpose``, bit for bit (one batch of ``batched_transpose``)."""
+    _check_transpose_input("x", x, 2)
+    return batched_transpose(x.unsqueeze(0)).squeeze(0)
