@@ -10,49 +10,67 @@ one correctly rounded IEEE operation in that order (no product feeds an addition
 nothing to contract into an FMA), hence the kernel is bitwise equal to the reference. ``a`` stays in
 fp32 and is cast exactly as ``per_token_cast`` casts it (its scale and encoding macros).
 
-Kernel design (memory-bound, except that ``E`` costs one fp64 ``exp`` per element computed directly):
+Kernel design (memory-bound: the computation must hide behind the loads):
 
-- **Persistent**: ``sm_count × MIN_BLOCKS`` CTAs loop over *tasks* (a row, or a part of a long
-  row), so the per-CTA set-up below is paid once per CTA, not once per row. A CTA holds
-  ``threads / threads_per_row`` *row groups* (whole warps); a row group takes one task per
-  iteration. Thread ``i`` of a row group holds ``units_per_thread`` *units* of ``CHUNK`` (8)
-  consecutive elements: units ``i``, ``i + threads_per_row``, ..., so a warp's loads are
-  contiguous; gate and up are 16-byte loads (narrower when H, the row stride or the base address
-  forbid it), all issued before any is used.
+- **Persistent**: one CTA per SM loops over *tasks* (a row, or a part of a long row), so the per-CTA
+  set-up below is paid once per SM. A CTA holds ``threads / threads_per_row`` *row groups* (whole
+  warps); a row group takes one task per step. Thread ``i`` of a row group holds
+  ``units_per_thread`` *units* of ``CHUNK`` (8) consecutive elements: units ``i``,
+  ``i + threads_per_row``, ..., so a warp's loads are contiguous; gate and up are 16-byte loads
+  (narrower when H, the row stride or the base address forbid it).
+- **Pipelined** (``ForwardSchedule``): a row group keeps ``stages`` tasks in flight. Each step issues
+  the loads of the task ``stages − 1`` steps ahead, into the stage the previous step freed, then
+  computes its own task: with one CTA per SM nothing else would cover the memory latency. Loads
+  land in a per-thread ring of shared memory (``cp.async``, one commit group per task, then
+  ``cp.async.wait_group(stages − 1)``; each thread reads back only its own copies, so no barrier)
+  or, for single bf16 values, in registers (one buffer per stage; the steps of a round are unrolled,
+  so every register index is static). The first tasks' loads are issued before the table fill,
+  which hides behind them.
 - **Block scales (C = 128, and C = H ≤ 128, which is the same single partial block)**: a 1×128 block
   spans 16 adjacent lanes, so its maximum is four ``shfl_xor`` steps; as in ``per_token``, owner
   lanes compute the scales of the warp's blocks (one IEEE division pair per lane per task) and
   shuffle the multipliers back. No barrier in the loop.
 - **Row scales (C = H > 128)**: a runtime switch of the same kernel: the task is the whole row, warp
-  maxima meet in shared memory (two barriers per iteration). Rows longer than a CTA's task (16384
-  bf16 or 8192 fp32 values) take more units per thread (a separately compiled configuration).
-- **E for bf16 input, memoized**: a bf16 gate has at most 2^16 values, so each CTA first fills a
-  shared-memory table with ``E(−g) = fp32(exp(fp64(−g)))`` for every bf16 ``g`` with
-  ``2^-16 ≤ |g| < 2^8`` (both signs) and for ``g = ±0``: 6145 fp64 ``exp`` per CTA, by the same
-  expression as the direct path, so an entry *is* the direct result (same instructions, same
-  argument: nothing to prove beyond that). Each element then costs one shared-memory load. A gate
-  outside the window (rare in activations: |g| < 2^-16, |g| ≥ 256, Inf, NaN, subnormals) takes the
-  direct fp64 ``exp``; a clamped gate (``g = c``, an fp32 value) takes ``E(−c)``, computed once per
-  thread by the same expression. fp32 input always takes the direct path (2^32 gate values).
-- **Routing and padding**: ``pos_to_expert`` (padding rows are skipped: not read, not computed, not
-  written, not counted) and the row's weight ``topk_weights.flatten()[pos_to_token_topk[r]]`` are
-  loaded one task ahead, so their dependent loads do not wait in front of the row's data. Index
-  tensors of either dtype are read as int32 words (an int64's sign is its high word; its value is
-  its low word, since the weight index is below ``topk_weights.numel()`` < 2^31). An index outside
-  ``[0, numel)`` gives ``w = 0`` without a memory access: -1 is the contract's "no weight"; other
-  values are refused by the reference's range check, which this twin skips (it needs the index
-  data on the host: a device synchronization on every call).
+  maxima meet in shared memory (two barriers per step). Rows longer than a CTA's task take more
+  units per thread (a separately compiled configuration).
+- **silu for bf16 input, memoized**: a bf16 gate has at most 2^16 values, so each CTA first fills a
+  shared-memory table (layout at TABLE_LOW, 33 KiB) with ``silu(g) = fl(g / fl(1 + E(−g)))`` for
+  every bf16 ``g`` with ``2^-26 ≤ |g| < 2^7`` (8448 of them): one fp64 ``exp`` and one division per
+  entry, by the same expressions as the direct path, so an entry *is* the direct result. Outside
+  the window the direct path has closed forms, checked for every bf16 value (scratch/swiglu):
+  ``|g| < 2^-26`` (zeros and subnormals too) gives ``E(−g) = 1``, so ``silu = fl(g · 1/2)`` (a
+  correctly rounded halving, equal to the division by 2); ``g ≥ 128`` (+Inf too) gives ``E = 0``,
+  ``silu = g = g · 1``; ``g ≤ −128`` gives ``E = +Inf``, ``silu = −0 = g · 0`` for finite g and NaN
+  for −Inf (``−Inf / Inf``), as ``−Inf · 0`` is; NaN stays NaN. So each gate's magnitude, clamped
+  to one slot past either end of the window, picks a word: the window's value or the end's factor
+  ``f``, and ``silu = fl(g · f)`` at the ends: a shared-memory load and a few integer operations
+  per element, with no branch (2.8 % of the oracle's gates, its special values, lie outside the
+  window: with 32 lanes a branch would diverge at almost every element). A clamped gate
+  (``g = c``, an fp32 value) takes ``silu(c)``, computed once per thread. fp32 input always takes
+  the direct path (2^32 gate values).
+- **Routing and padding**: a task's ``pos_to_expert`` word is loaded a step before its loads are
+  issued (padding rows are skipped: not read, not computed, not written, not counted); its
+  ``pos_to_token_topk`` word two steps before it computes and its weight
+  ``topk_weights.flatten()[pos_to_token_topk[r]]`` one step before: no dependent load waits in front
+  of the data. Index tensors of either dtype are read as int32 words (an int64's sign is its high
+  word; its value is its low word, since the weight index is below ``topk_weights.numel()`` <
+  2^31). An index outside ``[0, numel)`` gives ``w = 0`` without a memory access: -1 is the
+  contract's "no weight"; other values are refused by the reference's range check, which this twin
+  skips (it needs the index data on the host: a device synchronization on every call).
 - **Clamp counts**: per-thread int32 counts, a warp shuffle sum, one shared slot per warp and one
   int64 ``atomicAdd`` per counter and CTA: integer sums, independent of the order and the grid.
 - Tails (H not a multiple of a task): masked per vector; gate and up read as zeros give ``a = ±0``,
   which never raises an absolute maximum and is never counted as clamped (``c ≥ 0``).
 
 Compiled configurations stay few: token count, H, strides, the presence of routing inputs and
-counts, the clamp value, ``round_sf``, block or row scales, the scale layout's strides and the
-row-group size are runtime values; static are the input dtype, the format (or the bf16 activation
-alone), the load and store widths, packed UE8M0, the presence of a clamp (its compares and counts
-cost issue slots) and the units per thread.
+counts, the clamp value, ``round_sf``, block or row scales, the scale layout's strides, the row-group
+size and the parts per row are runtime values; static are the input dtype, the format (or the bf16
+activation alone), the load and store widths, packed UE8M0, the presence of a clamp (its compares
+and counts cost issue slots) and the schedule (``FORWARD_SCHEDULE`` by input dtype, fitted to the
+row by ``_plan``).
 """
+
+from typing import NamedTuple
 
 import tilelang.language as T
 import torch
@@ -90,24 +108,58 @@ from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
 from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index, store_encoded_vector
 
-# Schedule: threads per CTA, CTAs per SM, elements per unit, units per thread. 1024 threads on each
-# SM (64 registers per thread) in one CTA: one exp table per SM (its fill, 6145 fp64 exp, is paid
-# once per SM, ~1 µs), 64 KiB of loads in flight per SM. A 1×128 block is 128 / CHUNK = 16 lanes.
-# Chosen from the design, not yet swept on the device.
+# Schedule: threads per CTA, CTAs per SM, elements per unit (shared with the backward). 1024 threads
+# on each SM (64 registers per thread) in one CTA: one silu table per SM, whose fill (8452 fp64 exp,
+# ~1.5 µs) is paid once per SM, behind the first tasks' loads. A 1×128 block is 128 / CHUNK = 16 lanes.
 THREADS = 1024
 MIN_BLOCKS = 1
 CHUNK = 8
-# Units per thread by input dtype: fp32 rows hold twice the registers of bf16 words (two units
-# of fp32 gate and up spill past 64 registers).
-UNITS_PER_THREAD = {torch.bfloat16: 2, torch.float32: 1}
+STAGING_SHARED = "shared"  # loads land in a per-thread ring of shared memory (cp.async)
+STAGING_REGISTERS = "registers"  # loads land in registers (one buffer per stage)
 
-# The bf16 exp table: gates with TABLE_LOW ≤ |g| < TABLE_HIGH (bf16 magnitude bits, sign dropped),
-# both signs, plus one entry for ±0. Magnitude bits of 2^k are (127 + k) << 7 (7 mantissa bits).
-TABLE_LOW = (127 - 16) << 7  # 2^-16
-TABLE_HIGH = (127 + 8) << 7  # 2^8
-TABLE_WINDOW = TABLE_HIGH - TABLE_LOW  # entries per sign: 24 binades of 128
-TABLE_ZERO = 2 * TABLE_WINDOW  # the index of E(-0) = 1
-TABLE_ENTRIES = TABLE_ZERO + 1
+
+class ForwardSchedule(NamedTuple):
+    """How the forward kernel streams a row group's tasks (one CTA per SM).
+
+    ``threads``: per CTA. ``units_per_thread``: units of CHUNK values per thread and task.
+    ``stages``: tasks in flight per row group: the loads of the next ``stages − 1`` tasks are issued
+    before a task is computed, so that they arrive while it computes (1: load, then compute).
+    ``staging``: where loads land.
+    """
+
+    threads: int
+    units_per_thread: int
+    stages: int
+    staging: str
+
+
+# By input dtype. bf16: a task is a row of 128 threads (H = 2048), 16 KiB of gate and up per warp
+# and stage; three stages in shared memory keep two tasks (128 KiB per SM) in flight while one
+# computes, and leave the registers to the computation. Two units per thread halve the per-task
+# costs (block scales: one IEEE division pair per warp and task). Not yet swept on the device
+# (scratch/swiglu/gpu_bench.py times the variants).
+FORWARD_SCHEDULE = {
+    torch.bfloat16: ForwardSchedule(1024, 2, 3, STAGING_SHARED),
+    torch.float32: ForwardSchedule(1024, 1, 2, STAGING_SHARED),
+}
+SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may use on sm_90
+# Register staging holds stages × units × (gate + up) words per thread; past 24 of them the
+# computation spills beyond 64 registers.
+REGISTER_STAGE_WORDS = 24
+
+# The bf16 silu table: SILU_SLOTS slots of two fp32 words, one per sign (word 2 · slot + 1 for g < 0:
+# a lookup shifts the slot and inserts the sign bit in one instruction). Slot 1 + i holds silu(g) for
+# the window's bf16 magnitude TABLE_LOW + i (TABLE_LOW ≤ |g| < TABLE_HIGH). The two end slots hold
+# factors f with silu(g) = fl(g · f): slot 0 takes every |g| below the window (zeros and subnormals
+# too), f = 1/2; slot TABLE_WINDOW + 1 every |g| from TABLE_HIGH on (Inf and NaN too), f = 1 for
+# g > 0 and f = 0 for g < 0. Magnitude bits of 2^k are (127 + k) << 7 (7 mantissa bits). Below
+# 2^-26, E(−g) rounds to 1 (|e^−g − 1| < 2^-25, half an ulp below 1); from 2^7 on it rounds to 0 or
+# overflows to +Inf.
+TABLE_LOW = (127 - 26) << 7  # 2^-26
+TABLE_HIGH = (127 + 7) << 7  # 2^7
+TABLE_WINDOW = TABLE_HIGH - TABLE_LOW  # magnitudes per sign: 33 binades of 128
+SILU_SLOTS = TABLE_WINDOW + 2
+TABLE_WORDS = 2 * SILU_SLOTS
 
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 ACTIVATION_ONLY = "bf16"  # the kernel's "format" that writes the bf16 activation instead of a cast
@@ -137,49 +189,65 @@ def clamped_up(up, clamp_value, clamp: bool):
     return T.if_then_else(up > clamp_value, clamp_value, T.if_then_else(up < -clamp_value, -clamp_value, up))
 
 
+def silu_direct(gate):
+    """``silu(g) = fl(g / fl(1 + E(−g)))``: one fp64 ``exp`` and one IEEE division."""
+    return T.ieee_fdiv(gate, T.float32(1) + exp_rounded(-gate))
+
+
 @T.macro
-def fill_exp_table(table, tx, threads: int):
-    """``table[i] = E(−g_i)`` (fp32 bits) for the window's bf16 gates g_i, sign-major, and last ±0:
-    the same expression as the direct path, evaluated once per CTA."""
-    for i in T.serial(ceil_div(TABLE_ENTRIES, threads)):
+def fill_silu_table(table, tx, threads: int):
+    """The silu table (fp32 bits; layout at TABLE_LOW): a window slot holds the direct path's
+    expression, evaluated once per CTA; the end slots hold their factors."""
+    for i in T.serial(ceil_div(TABLE_WORDS, threads)):
         entry = i * threads + tx
-        if entry < TABLE_ENTRIES:
-            window_bits = T.shift_left(entry // TABLE_WINDOW, 15) | (TABLE_LOW + entry % TABLE_WINDOW)
-            bits = T.if_then_else(entry == TABLE_ZERO, 0, window_bits)
+        if entry < TABLE_WORDS:
+            negative = entry % 2
+            slot = entry // 2
+            bits = T.shift_left(negative, 15) | (TABLE_LOW - 1 + slot)
             gate = T.reinterpret(T.shift_left(T.cast(bits, "uint32"), T.uint32(16)), "float32")
-            table[entry] = T.reinterpret(exp_rounded(-gate), "int32")
+            factor = T.if_then_else(
+                slot == 0, T.float32(0.5), T.if_then_else(negative == 0, T.float32(1), T.float32(0))
+            )
+            in_window = T.And(slot > 0, slot <= TABLE_WINDOW)
+            table[entry] = T.reinterpret(T.if_then_else(in_window, silu_direct(gate), factor), "int32")
+
+
+def silu_from_table(gate, table):
+    """``silu(g)`` for a bf16 gate ``g`` (as fp32): its window slot, or ``fl(g · f)`` with its end
+    slot's factor ``f``.
+
+    Exact: a window slot is the direct path's value; outside the window ``fl(g · 1/2) = fl(g / 2)``
+    below it (zeros and subnormals included), ``g · 1 = g`` for g ≥ 2^7 and +Inf, and ``g · 0``:
+    −0 for finite g ≤ −2^7, NaN for −Inf and NaN, as the direct path gives (``−Inf / Inf``,
+    ``NaN / NaN``). No branch: 2.8 % of the oracle's gates lie outside the window, so most warps would
+    take a branch at almost every element.
+    """
+    bits = T.reinterpret(gate, "uint32")
+    magnitude = T.cast(T.shift_right(bits, T.uint32(16)) & T.uint32(0x7FFF), "int32")
+    offset = T.min(T.max(magnitude - TABLE_LOW, -1), TABLE_WINDOW)  # −1: below, TABLE_WINDOW: above
+    entry = (offset + 1) * 2 + T.cast(T.shift_right(bits, T.uint32(31)), "int32")
+    value = T.reinterpret(table[entry], "float32")
+    outside = T.cast(offset, "uint32") >= T.uint32(TABLE_WINDOW)
+    return T.if_then_else(outside, gate * value, value)
 
 
 @T.macro
-def gate_exp(gate, clamp_value, exp_clamp, table, exp_value, use_table: bool, clamp: bool):
-    """``exp_value[0] = E(−g')`` for the clamped gate g' of the *unclamped* gate ``g``: ``E(−c)`` where
-    clamped, else the table (bf16 gates in the window, and ±0), else the direct fp64 exp."""
+def gate_silu(gate, clamp_value, silu_clamp, table, silu, use_table: bool, clamp: bool):
+    """``silu[0] = silu(g')`` for the clamped gate g' of the *unclamped* gate ``g``: ``silu(c)``
+    where clamped, else the table (bf16 gates) or the direct path (fp32 gates)."""
     if use_table:
-        bits = T.shift_right(T.reinterpret(gate, "uint32"), T.uint32(16))  # the bf16 bits of g
-        magnitude = T.cast(bits & T.uint32(0x7FFF), "int32")
-        offset = magnitude - TABLE_LOW
-        in_window = T.And(offset >= 0, offset < TABLE_WINDOW)
-        sign_base = T.cast(T.shift_right(bits, T.uint32(15)), "int32") * TABLE_WINDOW
-        index = T.if_then_else(in_window, sign_base + offset, TABLE_ZERO)
-        exp_value[0] = T.reinterpret(table[index], "float32")
-        tabulated = T.Or(in_window, magnitude == 0)
+        silu[0] = silu_from_table(gate, table)
         if clamp:
-            exp_value[0] = T.if_then_else(gate > clamp_value, exp_clamp[0], exp_value[0])
-            if T.And(T.Not(tabulated), T.Not(gate > clamp_value)):
-                exp_value[0] = exp_rounded(-gate)
-        else:
-            if T.Not(tabulated):
-                exp_value[0] = exp_rounded(-gate)
+            silu[0] = T.if_then_else(gate > clamp_value, silu_clamp[0], silu[0])
     else:
-        exp_value[0] = exp_rounded(-clamped_gate(gate, clamp_value, clamp))
+        silu[0] = silu_direct(clamped_gate(gate, clamp_value, clamp))
 
 
 @T.macro
-def swiglu_element(gate, up, weight, clamp_value, exp_clamp, table, exp_value, out, use_table: bool, clamp: bool):
-    """``out[0] = fl(fl(fl(g' / fl(1 + E(−g'))) · u') · w)`` with g', u' the clamped gate and up."""
-    gate_exp(gate, clamp_value, exp_clamp, table, exp_value, use_table, clamp)
-    silu = T.ieee_fdiv(clamped_gate(gate, clamp_value, clamp), T.float32(1) + exp_value[0])
-    out[0] = silu * clamped_up(up, clamp_value, clamp) * weight
+def swiglu_element(gate, up, weight, clamp_value, silu_clamp, table, silu, out, use_table: bool, clamp: bool):
+    """``out[0] = fl(fl(silu(g') · u') · w)`` with g', u' the clamped gate and up."""
+    gate_silu(gate, clamp_value, silu_clamp, table, silu, use_table, clamp)
+    out[0] = silu[0] * clamped_up(up, clamp_value, clamp) * weight
 
 
 @T.macro
@@ -199,6 +267,8 @@ def swiglu_per_token_kernel(
     packed_ue8m0: bool,
     clamp: bool,
     units_per_thread: int,
+    stages: int,
+    staging: str,
     threads: int = THREADS,
     chunk: int = CHUNK,
     min_blocks: int = MIN_BLOCKS,
@@ -209,7 +279,8 @@ def swiglu_per_token_kernel(
     elements per store of q (divides H, at most ``chunk``). Tensors are passed flat with strides in
     vectors (see ``per_token_cast_kernel``: it lets TileLang prove the alignment of wide accesses).
     ``fmt_name == "bf16"``: no cast, the activation itself rounded to bf16 is the output ``q``
-    (``sf`` is not touched), the first half of the per-channel forward.
+    (``sf`` is not touched), the first half of the per-channel forward. ``stages``, ``staging``:
+    ``ForwardSchedule``.
     """
     activation_only = fmt_name == ACTIVATION_ONLY
     fmt = {"e4m3": E4M3, "e2m1": E2M1}.get(fmt_name)
@@ -217,13 +288,20 @@ def swiglu_per_token_kernel(
     loads_per_unit = chunk // vector
     stores_per_unit = chunk // store_vector
     store_bytes = store_vector * 2 if activation_only else store_vector // fmt.values_per_byte
-    # bf16 rows travel as 32-bit words (two values each) until the activation: half the registers.
-    bf16_words = in_dtype == "bfloat16" and vector % 2 == 0
-    words = vector // 2 if bf16_words else vector
+    # Rows travel as 32-bit words (two bf16 values or one fp32) until the activation: half the
+    # registers for bf16, and whole words for cp.async. Only single bf16 values (odd H) travel as such.
+    as_words = in_dtype == "float32" or vector % 2 == 0
+    words = vector // 2 if in_dtype == "bfloat16" and as_words else vector
     held = loads_per_unit * words
-    value_dtype = "int32" if bf16_words else "float32"
-    x_dtype = "int32" if bf16_words else in_dtype
+    value_dtype = "int32" if as_words else "float32"
+    x_dtype = "int32" if as_words else in_dtype
     use_table = in_dtype == "bfloat16"
+    in_shared = staging == STAGING_SHARED
+    if in_shared and not as_words:
+        raise ValueError(f"staging {STAGING_SHARED!r} copies 32-bit words, got loads of {vector} {in_dtype} value")
+    # Register buffers of gate and up: one per stage and unit, or (staged in shared memory) one for
+    # the unit being computed, fetched from the ring just before.
+    buffers, buffer_units = (1, 1) if in_shared else (stages, units_per_thread)
     lanes_per_block = FORWARD_CHANNEL_BLOCK // chunk
     block_shuffles = lanes_per_block.bit_length() - 1
     groups_per_warp = 32 // lanes_per_block
@@ -231,11 +309,13 @@ def swiglu_per_token_kernel(
     q_dtype = "bfloat16" if activation_only else ("float8_e4m3" if fmt is E4M3 else "uint8")
     sf_dtype = "uint8" if packed_ue8m0 else "float32"
     # One shared buffer (int32 words) for everything exchanged across a barrier: TileLang may overlay
-    # buffers whose per-thread lifetimes look disjoint. [exp table | warps row maxima | 3 × warps counts]
-    table_words = TABLE_ENTRIES if use_table else 0
-    amax_base = table_words
+    # buffers whose per-thread lifetimes look disjoint. [silu table | warps row maxima | 3 × warps counts].
+    # The staging ring is a second buffer: each thread reads back only what it copied.
+    amax_base = TABLE_WORDS if use_table else 0
     count_base = amax_base + warps
     exchange_words = count_base + CLAMP_COUNTERS * warps
+    stage_words = units_per_thread * 2 * held * threads
+    all_stages = (1 << stages) - 1
 
     x_span = T.dynamic("x_span")
     q_span = T.dynamic("q_span")
@@ -245,47 +325,134 @@ def swiglu_per_token_kernel(
     weights_span = T.dynamic("weights_span")
     count_span = T.dynamic("count_span")
 
-    def element_value(held_values, r, e):
-        """Element ``e`` of unit ``r`` as fp32 (held as bf16 words or as fp32)."""
-        return widen_half(held_values[r, e // 2], e % 2) if bf16_words else held_values[r, e]
+    def element_value(held_values, buffer, r, e):
+        """Element ``e`` of unit ``r`` as fp32 (held as bf16 words, fp32 words or fp32 values)."""
+        if not as_words:
+            return held_values[buffer, r, e]
+        if use_table:
+            return widen_half(held_values[buffer, r, e // 2], e % 2)
+        return T.reinterpret(held_values[buffer, r, e], "float32")
+
+    def staged_offset(slot, r, half, v, tx):
+        """Word offset of load ``v`` of unit ``r`` (``half`` 0: gate, 1: up) of thread ``tx`` in stage
+        ``slot``: a warp's vectors are adjacent, so its shared-memory accesses are conflict-free."""
+        return (((slot * units_per_thread + r) * 2 + half) * loads_per_unit + v) * threads * words + tx * words
 
     @T.macro
-    def load_task_info(
+    def issue_loads(
+        x,
+        held_gate,
+        held_up,
+        staged,
+        slot,
         row,
-        info_active,
-        info_weight,
-        expert_map,
-        topk_index,
+        part,
+        tx,
+        thread_in_group,
+        threads_per_row,
+        units_per_task,
+        hidden_vectors,
+        row_stride_vectors,
+    ):
+        """Start the loads of task (row, part)'s gate and up into stage ``slot``: cp.async copies into
+        the staging ring (the caller commits them as one group per task), or loads into registers (a
+        column past H reads as zeros)."""
+        x_row = T.cast(row, "int64") * row_stride_vectors * words
+        for r in T.unroll(units_per_thread):
+            unit = part * units_per_task + r * threads_per_row + thread_in_group
+            for v in T.unroll(loads_per_unit):
+                column = unit * loads_per_unit + v
+                if in_shared:
+                    if column < hidden_vectors:
+                        for half in T.unroll(2):
+                            # An extern call: TileLang's barrier planner would see the copy as a write
+                            # by any thread and fence every read of the ring with a __syncthreads.
+                            T.call_extern(
+                                "handle",
+                                f"tl::cp_async_gs<{4 * words}>",
+                                T.address_of(staged[staged_offset(slot, r, half, v, tx)]),
+                                T.address_of(x[x_row + (half * hidden_vectors + column) * words]),
+                            )
+                elif column < hidden_vectors:
+                    for w in T.vectorized(words):
+                        if as_words:
+                            held_gate[slot, r, v * words + w] = x[x_row + column * words + w]
+                        else:
+                            held_gate[slot, r, v * words + w] = T.cast(x[x_row + column * words + w], "float32")
+                    for w in T.vectorized(words):
+                        if as_words:
+                            held_up[slot, r, v * words + w] = x[x_row + (hidden_vectors + column) * words + w]
+                        else:
+                            held_up[slot, r, v * words + w] = T.cast(
+                                x[x_row + (hidden_vectors + column) * words + w], "float32"
+                            )
+                else:
+                    for w in T.vectorized(words):
+                        held_gate[slot, r, v * words + w] = T.cast(0, value_dtype)
+                    for w in T.vectorized(words):
+                        held_up[slot, r, v * words + w] = T.cast(0, value_dtype)
+
+    @T.macro
+    def fetch_staged(staged, held_gate, held_up, slot, r, unit, tx, hidden_vectors):
+        """Unit ``r`` of stage ``slot`` (this thread's own copies) into the registers; zeros past H."""
+        for v in T.unroll(loads_per_unit):
+            column = unit * loads_per_unit + v
+            if column < hidden_vectors:
+                for w in T.vectorized(words):
+                    held_gate[0, 0, v * words + w] = staged[staged_offset(slot, r, 0, v, tx) + w]
+                for w in T.vectorized(words):
+                    held_up[0, 0, v * words + w] = staged[staged_offset(slot, r, 1, v, tx) + w]
+            else:
+                for w in T.vectorized(words):
+                    held_gate[0, 0, v * words + w] = T.cast(0, value_dtype)
+                for w in T.vectorized(words):
+                    held_up[0, 0, v * words + w] = T.cast(0, value_dtype)
+
+    @T.macro
+    def load_expert_word(expert_map, task, part_shift, num_rows, has_padding, expert_stride, expert_offset, word, slot):
+        """``word[slot]``: the ``pos_to_expert`` word (its sign) of ``task``'s row; 0 without padding
+        or past the last row. Loaded a step before it is needed, so that nothing waits for it."""
+        row = T.shift_right(task, part_shift)
+        word[slot] = 0
+        if has_padding != 0:
+            if row < num_rows:
+                word[slot] = expert_map[T.cast(row, "int64") * expert_stride + expert_offset]
+
+    @T.macro
+    def load_weight_index(topk_index, task, part_shift, num_rows, has_weights, index_stride, index_offset, index, slot):
+        """``index[slot]``: the ``pos_to_token_topk`` word (its value) of ``task``'s row; −1 without
+        routing or past the last row."""
+        row = T.shift_right(task, part_shift)
+        index[slot] = -1
+        if has_weights != 0:
+            if row < num_rows:
+                index[slot] = topk_index[T.cast(row, "int64") * index_stride + index_offset]
+
+    @T.macro
+    def load_weight(
         topk_weights,
-        num_rows,
-        has_padding,
-        expert_stride,
-        expert_offset,
+        index,
         has_weights,
-        index_stride,
-        index_offset,
         weights_numel,
         weights_topk,
         weights_row_stride,
         weights_col_stride,
-        weight_index,
+        weight,
+        slot,
     ):
-        """Whether ``row`` is computed (exists, not padding) and its weight (1 without routing)."""
-        info_active[0] = 0
-        info_weight[0] = T.float32(1)
-        if row < num_rows:
-            info_active[0] = 1
-            if has_padding != 0:
-                if expert_map[T.cast(row, "int64") * expert_stride + expert_offset] < 0:
-                    info_active[0] = 0
-            if has_weights != 0:
-                weight_index[0] = topk_index[T.cast(row, "int64") * index_stride + index_offset]
-                info_weight[0] = T.float32(0)
-                if weight_index[0] >= 0 and weight_index[0] < weights_numel:
-                    token = weight_index[0] // weights_topk
-                    slot = weight_index[0] - token * weights_topk
-                    info_weight[0] = topk_weights[
-                        T.cast(token, "int64") * weights_row_stride + T.cast(slot, "int64") * weights_col_stride
+        """``weight[slot] = topk_weights.flatten()[index]``: 1 without routing, 0 for an index outside
+        ``[0, numel)``. ``weights_topk == 0``: the flat index maps linearly (offset ``index · col_stride``)."""
+        weight[slot] = T.float32(1)
+        if has_weights != 0:
+            weight[slot] = T.float32(0)
+            if index >= 0 and index < weights_numel:
+                if weights_topk == 0:
+                    weight[slot] = topk_weights[T.cast(index, "int64") * weights_col_stride]
+                else:
+                    token = index // weights_topk
+                    weight[slot] = topk_weights[
+                        T.cast(token, "int64") * weights_row_stride
+                        + T.cast(index - token * weights_topk, "int64") * weights_col_stride
                     ]
 
     @T.macro
@@ -321,7 +488,7 @@ def swiglu_per_token_kernel(
         round_sf: T.int32,
         row_scales: T.int32,
         group_shift: T.int32,
-        parts_per_row: T.int32,
+        part_shift: T.int32,
         has_padding: T.int32,
         expert_stride: T.int32,
         expert_offset: T.int32,
@@ -343,8 +510,9 @@ def swiglu_per_token_kernel(
             lane = tx % 32
             warp = tx // 32
             exchange = T.alloc_shared((exchange_words,), "int32")
-            gate_words = T.alloc_local((units_per_thread, held), value_dtype)
-            up_words = T.alloc_local((units_per_thread, held), value_dtype)
+            staged = T.alloc_shared((stages * stage_words if in_shared else 1,), x_dtype)
+            held_gate = T.alloc_local((buffers, buffer_units, held), value_dtype)
+            held_up = T.alloc_local((buffers, buffer_units, held), value_dtype)
             acts = T.alloc_local((units_per_thread, chunk), "float32")
             unit_amax = T.alloc_local((units_per_thread,), "int32")
             unit_multiplier = T.alloc_local((units_per_thread,), "float32")
@@ -353,17 +521,17 @@ def swiglu_per_token_kernel(
             multiplier = T.alloc_local((1,), "float32")
             codes = T.alloc_local((max(1, store_bytes),), "uint8")
             counts = T.alloc_local((CLAMP_COUNTERS,), "int32")
-            exp_clamp = T.alloc_local((1,), "float32")
-            exp_value = T.alloc_local((1,), "float32")
+            silu_clamp = T.alloc_local((1,), "float32")
+            silu = T.alloc_local((1,), "float32")
             element = T.alloc_local((1,), "float32")
-            task = T.alloc_local((2,), "int32")  # (row, part) of the next task
-            current = T.alloc_local((2,), "int32")  # (row, part) of this one
-            info_active = T.alloc_local((1,), "int32")
-            info_weight = T.alloc_local((1,), "float32")
-            active = T.alloc_local((1,), "int32")
-            weight = T.alloc_local((1,), "float32")
-            weight_index = T.alloc_local((1,), "int32")
             group_amax = T.alloc_local((1,), "int32")
+            task = T.alloc_local((1,), "int32")  # the task computed in this step (row << part_shift | part)
+            active_bits = T.alloc_local((1,), "int32")  # bit s: stage s's task is computed (exists, not padding)
+            expert_words = T.alloc_local((stages,), "int32")  # of the first tasks, then [0]: the next load's
+            weight_index = T.alloc_local((2,), "int32")  # of the first task, then [1]: the task after next's
+            weight = T.alloc_local((2,), "float32")  # of this task and of the next
+            owner_block = T.alloc_local((1,), "int32")  # the block this lane owns, within a task
+            kblock = T.alloc_local((1,), "int32")
 
             threads_per_row = T.shift_left(1, group_shift)
             thread_in_group = tx & (threads_per_row - 1)
@@ -372,209 +540,289 @@ def swiglu_per_token_kernel(
             total_groups = num_ctas * groups_per_cta
             units_per_task = threads_per_row * units_per_thread
             warp_first_unit = thread_in_group - lane  # a row group is whole warps
-
-            if use_table:
-                fill_exp_table(exchange, tx, threads)
-            if clamp:
-                exp_clamp[0] = exp_rounded(-clamp_value)
-            for c in T.unroll(CLAMP_COUNTERS):
-                counts[c] = 0
-            T.sync_threads()
-
-            group_id = cta * groups_per_cta + group_in_cta
-            task[0] = group_id // parts_per_row
-            task[1] = group_id % parts_per_row
-            row_step = total_groups // parts_per_row
-            part_step = total_groups % parts_per_row
-            load_task_info(
-                task[0],
-                info_active,
-                info_weight,
-                expert_map,
-                topk_index,
-                topk_weights,
-                num_rows,
-                has_padding,
-                expert_stride,
-                expert_offset,
-                has_weights,
-                index_stride,
-                index_offset,
-                weights_numel,
-                weights_topk,
-                weights_row_stride,
-                weights_col_stride,
-                weight_index,
+            part_mask = T.shift_left(1, part_shift) - 1
+            # Lane L owns block (unit round L // groups, group L % groups) of the warp (step 5).
+            owner_round = lane // groups_per_warp
+            owner_group = lane % groups_per_warp
+            owner_block[0] = T.shift_right(
+                owner_round * threads_per_row + warp_first_unit + owner_group * lanes_per_block, block_shuffles
             )
 
-            for _task in T.serial(T.ceildiv(num_rows * parts_per_row, total_groups)):
-                current[0] = task[0]
-                current[1] = task[1]
-                active[0] = info_active[0]
-                weight[0] = info_weight[0]
-                row = current[0]
-                part = current[1]
-                x_row = T.cast(row, "int64") * row_stride_vectors * words
-                q_row = T.cast(row, "int64") * hidden_stores
-
-                # 1. This task's gate and up (all loads before any use), then the next task's
-                #    row flags and weight, which arrive while this task computes.
-                if active[0] != 0:
-                    for r in T.unroll(units_per_thread):
-                        unit = part * units_per_task + r * threads_per_row + thread_in_group
-                        for v in T.unroll(loads_per_unit):
-                            column = unit * loads_per_unit + v
-                            if column < hidden_vectors:
-                                for w in T.vectorized(words):
-                                    if bf16_words:
-                                        gate_words[r, v * words + w] = x[x_row + column * words + w]
-                                    else:
-                                        gate_words[r, v * words + w] = T.cast(x[x_row + column * words + w], "float32")
-                                for w in T.vectorized(words):
-                                    if bf16_words:
-                                        up_words[r, v * words + w] = x[x_row + (hidden_vectors + column) * words + w]
-                                    else:
-                                        up_words[r, v * words + w] = T.cast(
-                                            x[x_row + (hidden_vectors + column) * words + w], "float32"
-                                        )
-                            else:
-                                for w in T.vectorized(words):
-                                    gate_words[r, v * words + w] = T.cast(0, value_dtype)
-                                for w in T.vectorized(words):
-                                    up_words[r, v * words + w] = T.cast(0, value_dtype)
-                task[1] = task[1] + part_step
-                task[0] = task[0] + row_step
-                if task[1] >= parts_per_row:
-                    task[1] = task[1] - parts_per_row
-                    task[0] = task[0] + 1
-                load_task_info(
-                    task[0],
-                    info_active,
-                    info_weight,
+            # Prologue: the loads of the first stages − 1 tasks (padding rows too: they exist, and
+            # their flags are not known yet), issued before the table fill so that the fill hides
+            # behind them; the routing words of the first tasks.
+            task[0] = cta * groups_per_cta + group_in_cta
+            for p in T.unroll(stages - 1):
+                if T.shift_right(task[0] + p * total_groups, part_shift) < num_rows:
+                    issue_loads(
+                        x,
+                        held_gate,
+                        held_up,
+                        staged,
+                        p,
+                        T.shift_right(task[0] + p * total_groups, part_shift),
+                        (task[0] + p * total_groups) & part_mask,
+                        tx,
+                        thread_in_group,
+                        threads_per_row,
+                        units_per_task,
+                        hidden_vectors,
+                        row_stride_vectors,
+                    )
+                if in_shared:
+                    T.ptx_commit_group()
+                load_expert_word(
                     expert_map,
-                    topk_index,
-                    topk_weights,
+                    task[0] + p * total_groups,
+                    part_shift,
                     num_rows,
                     has_padding,
                     expert_stride,
                     expert_offset,
+                    expert_words,
+                    p + 1,
+                )
+            load_expert_word(
+                expert_map,
+                task[0] + (stages - 1) * total_groups,
+                part_shift,
+                num_rows,
+                has_padding,
+                expert_stride,
+                expert_offset,
+                expert_words,
+                0,
+            )
+            for p in T.unroll(2):
+                load_weight_index(
+                    topk_index,
+                    task[0] + p * total_groups,
+                    part_shift,
+                    num_rows,
                     has_weights,
                     index_stride,
                     index_offset,
-                    weights_numel,
-                    weights_topk,
-                    weights_row_stride,
-                    weights_col_stride,
                     weight_index,
+                    p,
                 )
 
-                # 2. The activation, element by element, and each unit's |a| maximum (fp32 bits:
-                #    an integer max ranks NaN above Inf, so NaN propagates as in the reference).
-                if active[0] != 0:
-                    for r in T.unroll(units_per_thread):
-                        unit_amax[r] = 0
-                        for e in T.unroll(chunk):
-                            gate = element_value(gate_words, r, e)
-                            up = element_value(up_words, r, e)
-                            if clamp:
-                                count_clamps(gate, up, clamp_value, counts)
-                            swiglu_element(
-                                gate,
-                                up,
-                                weight[0],
-                                clamp_value,
-                                exp_clamp,
-                                exchange,
-                                exp_value,
-                                element,
-                                use_table,
-                                clamp,
-                            )
-                            acts[r, e] = element[0]
-                            if not activation_only:
-                                unit_amax[r] = T.max(unit_amax[r], float_bits_abs(element[0]))
+            if use_table:
+                fill_silu_table(exchange, tx, threads)
+            if clamp:
+                silu_clamp[0] = silu_direct(clamp_value)
+            for c in T.unroll(CLAMP_COUNTERS):
+                counts[c] = 0
+            T.sync_threads()
 
-                # 3. Scales: per 1×128 block (lanes of one warp) or per row (the row group's warps).
-                if not activation_only:
-                    if row_scales != 0:
-                        # Two barriers: the slots are free (last iteration's readers are done), then full.
-                        T.sync_threads()
-                        if active[0] != 0:
-                            group_amax[0] = unit_amax[0]
-                            for r in T.unroll(1, units_per_thread):
-                                group_amax[0] = T.max(group_amax[0], unit_amax[r])
-                            for step in T.unroll(5):
-                                group_amax[0] = T.max(group_amax[0], T.shfl_xor(group_amax[0], 1 << step))
-                            if lane == 0:
-                                exchange[amax_base + warp] = group_amax[0]
-                        T.sync_threads()
-                        if active[0] != 0:
-                            first_warp = T.shift_right(group_in_cta * threads_per_row, 5)
-                            group_amax[0] = 0
-                            for w in T.serial(T.shift_right(threads_per_row, 5)):
-                                slot = exchange[amax_base + first_warp + w]
-                                group_amax[0] = T.max(group_amax[0], slot)
-                            scale_and_multiplier(group_amax[0], fmt, round_sf != 0, sf_value, multiplier)
-                            if thread_in_group == 0:
-                                store_scale(sf, sf_value, row, 0, num_kblocks, sf_row_stride, sf_kblock_stride)
-                            for r in T.unroll(units_per_thread):
-                                unit_multiplier[r] = multiplier[0]
-                    else:
-                        if active[0] != 0:
-                            for r in T.unroll(units_per_thread):
-                                for step in T.unroll(block_shuffles):
-                                    unit_amax[r] = T.max(unit_amax[r], T.shfl_xor(unit_amax[r], 1 << step))
-                            # Lane L owns block (unit round L // groups, group L % groups) of the warp: it alone
-                            # divides and stores the scale; the multipliers travel back by shuffle.
-                            owner_round = lane // groups_per_warp
-                            owner_group = lane % groups_per_warp
-                            owned_amax[0] = 0
-                            for r in T.unroll(units_per_thread):
-                                fetched = T.shfl_sync(unit_amax[r], owner_group * lanes_per_block)
-                                owned_amax[0] = T.if_then_else(owner_round == r, fetched, owned_amax[0])
-                            owner_unit = (
-                                part * units_per_task
-                                + owner_round * threads_per_row
-                                + warp_first_unit
-                                + owner_group * lanes_per_block
-                            )
-                            kblock = owner_unit // lanes_per_block
-                            scale_and_multiplier(owned_amax[0], fmt, round_sf != 0, sf_value, multiplier)
-                            if lane < scale_owners and kblock < num_kblocks:
-                                store_scale(sf, sf_value, row, kblock, num_kblocks, sf_row_stride, sf_kblock_stride)
-                            for r in T.unroll(units_per_thread):
-                                unit_multiplier[r] = T.shfl_sync(
-                                    multiplier[0], r * groups_per_warp + lane // lanes_per_block
+            active_bits[0] = 0
+            for p in T.unroll(stages - 1):
+                if T.shift_right(task[0] + p * total_groups, part_shift) < num_rows and expert_words[p + 1] >= 0:
+                    active_bits[0] = active_bits[0] | T.shift_left(1, p)
+            load_weight(
+                topk_weights,
+                weight_index[0],
+                has_weights,
+                weights_numel,
+                weights_topk,
+                weights_row_stride,
+                weights_col_stride,
+                weight,
+                0,
+            )
+
+            for _round in T.serial(T.ceildiv(T.ceildiv(T.shift_left(num_rows, part_shift), total_groups), stages)):
+                for s in T.unroll(stages):
+                    # 1. The task stages − 1 steps ahead: its flag (its routing word came a step ago)
+                    #    and its loads, into the stage this step's task frees.
+                    load_slot = (s + stages - 1) % stages
+                    load_task = task[0] + (stages - 1) * total_groups
+                    load_row = T.shift_right(load_task, part_shift)
+                    load_bit = T.shift_left(1, load_slot)
+                    active_bits[0] = active_bits[0] & (all_stages ^ load_bit)
+                    if in_shared:
+                        # The copies overwrite the stage read in the last step: a compiler fence (the
+                        # copies are asm statements without a memory clobber).
+                        T.sync_warp()
+                    if load_row < num_rows and expert_words[0] >= 0:
+                        active_bits[0] = active_bits[0] | load_bit
+                        issue_loads(
+                            x,
+                            held_gate,
+                            held_up,
+                            staged,
+                            load_slot,
+                            load_row,
+                            load_task & part_mask,
+                            tx,
+                            thread_in_group,
+                            threads_per_row,
+                            units_per_task,
+                            hidden_vectors,
+                            row_stride_vectors,
+                        )
+                    if in_shared:
+                        T.ptx_commit_group()
+                    # 2. Routing, a step ahead of its use: the next load's pos_to_expert word, the next
+                    #    task's weight, the weight index of the task after it.
+                    load_expert_word(
+                        expert_map,
+                        load_task + total_groups,
+                        part_shift,
+                        num_rows,
+                        has_padding,
+                        expert_stride,
+                        expert_offset,
+                        expert_words,
+                        0,
+                    )
+                    load_weight(
+                        topk_weights,
+                        weight_index[1],
+                        has_weights,
+                        weights_numel,
+                        weights_topk,
+                        weights_row_stride,
+                        weights_col_stride,
+                        weight,
+                        1,
+                    )
+                    load_weight_index(
+                        topk_index,
+                        task[0] + 2 * total_groups,
+                        part_shift,
+                        num_rows,
+                        has_weights,
+                        index_stride,
+                        index_offset,
+                        weight_index,
+                        1,
+                    )
+
+                    # 3. This step's task (staged: wait for its copies; the warp sync keeps the compiler
+                    #    from moving the reads of the ring above the wait).
+                    row = T.shift_right(task[0], part_shift)
+                    part = task[0] & part_mask
+                    active = T.shift_right(active_bits[0], s) & 1
+                    q_row = T.cast(row, "int64") * hidden_stores
+                    if in_shared:
+                        T.call_extern("handle", f"tl::cp_async_wait<{stages - 1}>")
+                        T.sync_warp()
+
+                    # 4. The activation, unit by unit (staged: fetched from the ring first), element
+                    #    by element, and each unit's |a| maximum (fp32 bits: an integer max ranks NaN
+                    #    above Inf, so NaN propagates as in the reference).
+                    if active != 0:
+                        for r in T.unroll(units_per_thread):
+                            if in_shared:
+                                fetch_staged(
+                                    staged,
+                                    held_gate,
+                                    held_up,
+                                    s,
+                                    r,
+                                    part * units_per_task + r * threads_per_row + thread_in_group,
+                                    tx,
+                                    hidden_vectors,
                                 )
+                            unit_amax[r] = 0
+                            for e in T.unroll(chunk):
+                                gate = element_value(held_gate, 0 if in_shared else s, 0 if in_shared else r, e)
+                                up = element_value(held_up, 0 if in_shared else s, 0 if in_shared else r, e)
+                                if clamp:
+                                    count_clamps(gate, up, clamp_value, counts)
+                                swiglu_element(
+                                    gate,
+                                    up,
+                                    weight[0],
+                                    clamp_value,
+                                    silu_clamp,
+                                    exchange,
+                                    silu,
+                                    element,
+                                    use_table,
+                                    clamp,
+                                )
+                                acts[r, e] = element[0]
+                                if not activation_only:
+                                    unit_amax[r] = T.max(unit_amax[r], float_bits_abs(element[0]))
 
-                # 4. Encode and store, one wide store per ``store_vector`` elements.
-                if active[0] != 0:
-                    for r in T.unroll(units_per_thread):
-                        unit = part * units_per_task + r * threads_per_row + thread_in_group
-                        for s in T.unroll(stores_per_unit):
-                            column = unit * stores_per_unit + s
-                            if column < hidden_stores:
-                                if activation_only:
-                                    # Round to nearest even, as torch's .to(torch.bfloat16).
-                                    for e in T.vectorized(store_vector):
-                                        q[(q_row + column) * store_vector + e] = T.cast(
-                                            acts[r, s * store_vector + e], "bfloat16"
-                                        )
-                                else:
-                                    q_offset = (q_row + column) * store_bytes
-                                    store_encoded_vector(
-                                        q,
-                                        q_offset,
-                                        acts,
-                                        r,
-                                        s * store_vector,
-                                        unit_multiplier[r],
-                                        fmt,
-                                        store_vector,
-                                        codes,
+                    # 5. Scales: per 1×128 block (lanes of one warp) or per row (the row group's warps).
+                    if not activation_only:
+                        if row_scales != 0:
+                            # Two barriers: the slots are free (last step's readers are done), then full.
+                            T.sync_threads()
+                            if active != 0:
+                                group_amax[0] = unit_amax[0]
+                                for r in T.unroll(1, units_per_thread):
+                                    group_amax[0] = T.max(group_amax[0], unit_amax[r])
+                                for step in T.unroll(5):
+                                    group_amax[0] = T.max(group_amax[0], T.shfl_xor(group_amax[0], 1 << step))
+                                if lane == 0:
+                                    exchange[amax_base + warp] = group_amax[0]
+                            T.sync_threads()
+                            if active != 0:
+                                first_warp = T.shift_right(group_in_cta * threads_per_row, 5)
+                                group_amax[0] = 0
+                                for w in T.serial(T.shift_right(threads_per_row, 5)):
+                                    slot = exchange[amax_base + first_warp + w]
+                                    group_amax[0] = T.max(group_amax[0], slot)
+                                scale_and_multiplier(group_amax[0], fmt, round_sf != 0, sf_value, multiplier)
+                                if thread_in_group == 0:
+                                    store_scale(sf, sf_value, row, 0, num_kblocks, sf_row_stride, sf_kblock_stride)
+                                for r in T.unroll(units_per_thread):
+                                    unit_multiplier[r] = multiplier[0]
+                        else:
+                            if active != 0:
+                                for r in T.unroll(units_per_thread):
+                                    for step in T.unroll(block_shuffles):
+                                        unit_amax[r] = T.max(unit_amax[r], T.shfl_xor(unit_amax[r], 1 << step))
+                                # An owner lane alone divides and stores its block's scale; the multipliers
+                                # travel back by shuffle.
+                                owned_amax[0] = 0
+                                for r in T.unroll(units_per_thread):
+                                    fetched = T.shfl_sync(unit_amax[r], owner_group * lanes_per_block)
+                                    owned_amax[0] = T.if_then_else(owner_round == r, fetched, owned_amax[0])
+                                kblock[0] = T.shift_right(part * units_per_task, block_shuffles) + owner_block[0]
+                                scale_and_multiplier(owned_amax[0], fmt, round_sf != 0, sf_value, multiplier)
+                                if lane < scale_owners and kblock[0] < num_kblocks:
+                                    store_scale(
+                                        sf, sf_value, row, kblock[0], num_kblocks, sf_row_stride, sf_kblock_stride
+                                    )
+                                for r in T.unroll(units_per_thread):
+                                    unit_multiplier[r] = T.shfl_sync(
+                                        multiplier[0], r * groups_per_warp + lane // lanes_per_block
                                     )
 
-            # 5. Clamp counts: warp sums, one shared slot per warp, one int64 atomic per counter and CTA.
+                    # 6. Encode and store, one wide store per ``store_vector`` elements.
+                    if active != 0:
+                        for r in T.unroll(units_per_thread):
+                            unit = part * units_per_task + r * threads_per_row + thread_in_group
+                            for s_store in T.unroll(stores_per_unit):
+                                column = unit * stores_per_unit + s_store
+                                if column < hidden_stores:
+                                    if activation_only:
+                                        # Round to nearest even, as torch's .to(torch.bfloat16).
+                                        for e in T.vectorized(store_vector):
+                                            q[(q_row + column) * store_vector + e] = T.cast(
+                                                acts[r, s_store * store_vector + e], "bfloat16"
+                                            )
+                                    else:
+                                        q_offset = (q_row + column) * store_bytes
+                                        store_encoded_vector(
+                                            q,
+                                            q_offset,
+                                            acts,
+                                            r,
+                                            s_store * store_vector,
+                                            unit_multiplier[r],
+                                            fmt,
+                                            store_vector,
+                                            codes,
+                                        )
+                    weight[0] = weight[1]
+                    task[0] = task[0] + total_groups
+
+            # 7. Clamp counts: warp sums, one shared slot per warp, one int64 atomic per counter and CTA.
             if clamp:
                 if has_count != 0:
                     for c in T.unroll(CLAMP_COUNTERS):
@@ -619,19 +867,51 @@ def _store_width(hidden: int, chunk: int) -> int:
     return width
 
 
-def _plan(hidden: int, row_scales: bool, units_per_thread: int) -> tuple[int, int, int]:
-    """(threads per row, units per thread, parts per row): the smallest row group (whole warps,
-    at most a CTA) whose task of ``units_per_thread`` units covers the row. Block scales split a
-    longer row into parts; row scales need the whole row in one task, so a row longer than
-    ``THREADS · units_per_thread · CHUNK`` values takes more units per thread (a separately
-    compiled kernel)."""
+class _Plan(NamedTuple):
+    """One call's row groups and schedule (``_plan``)."""
+
+    threads: int
+    threads_per_row: int
+    units_per_thread: int
+    part_shift: int  # a row is 2^part_shift tasks
+    stages: int
+    staging: str
+
+
+def _plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int) -> _Plan:
+    """``FORWARD_SCHEDULE[dtype]`` fitted to the row: the smallest row group (whole warps, at most a
+    CTA) whose task of ``units_per_thread`` units covers the row. Block scales split a longer row into
+    a power of two of parts (a part past the row's end is an empty task); row scales need the whole
+    row in one task, so a row longer than ``threads · units_per_thread · CHUNK`` values takes more
+    units per thread (a separately compiled kernel). Single bf16 values (odd H) are staged in
+    registers, one unit per thread; stages are dropped while the staging does not fit (shared memory
+    or REGISTER_STAGE_WORDS), and a shared stage that never fits stages in registers."""
+    schedule = FORWARD_SCHEDULE[dtype]
+    # 32-bit words of gate and up per unit: bf16 pairs, or fp32 values (also single bf16 values).
+    unit_words = CHUNK if dtype == torch.bfloat16 and vector > 1 else 2 * CHUNK
+    staging, units_per_thread = schedule.staging, schedule.units_per_thread
+    if dtype == torch.bfloat16 and vector == 1:
+        staging, units_per_thread = STAGING_REGISTERS, 1
     units = ceil_div(hidden, CHUNK)
     threads_per_row = 32
-    while threads_per_row < THREADS and threads_per_row * units_per_thread < units:
+    while threads_per_row < schedule.threads and threads_per_row * units_per_thread < units:
         threads_per_row *= 2
     if row_scales:
         units_per_thread = max(units_per_thread, ceil_div(units, threads_per_row))
-    return threads_per_row, units_per_thread, ceil_div(units, threads_per_row * units_per_thread)
+    part_shift = (ceil_div(units, threads_per_row * units_per_thread) - 1).bit_length()
+    stages = schedule.stages
+    if staging == STAGING_SHARED:
+        # The exchange buffer (table, warp slots), then the ring; 1 KiB for TileLang's alignment.
+        fixed_bytes = 4 * ((TABLE_WORDS if dtype == torch.bfloat16 else 0) + 4 * (schedule.threads // 32)) + 1024
+        stage_bytes = 4 * schedule.threads * units_per_thread * unit_words
+        while stages > 1 and fixed_bytes + stages * stage_bytes > SHARED_MEMORY_BYTES:
+            stages -= 1
+        if fixed_bytes + stage_bytes > SHARED_MEMORY_BYTES:
+            staging = STAGING_REGISTERS
+    if staging == STAGING_REGISTERS:
+        while stages > 1 and stages * units_per_thread * unit_words > REGISTER_STAGE_WORDS:
+            stages -= 1
+    return _Plan(schedule.threads, threads_per_row, units_per_thread, part_shift, stages, staging)
 
 
 def _index_words(index: torch.Tensor | None, word: int) -> tuple[torch.Tensor | None, int, int]:
@@ -709,16 +989,26 @@ def _launch(
     store_vector = _store_width(hidden, CHUNK)
     # One scale per row of at most 128 values is the single (partial) 1×128 block of the row.
     row_scales = fmt_name != ACTIVATION_ONLY and num_per_channels == hidden and hidden > FORWARD_CHANNEL_BLOCK
-    threads_per_row, units_per_thread, parts_per_row = _plan(hidden, row_scales, UNITS_PER_THREAD[x.dtype])
+    plan = _plan(hidden, row_scales, x.dtype, vector)
     clamp = clamp_value is not None
     kernel = swiglu_per_token_kernel(
-        _TL_DTYPES[x.dtype], fmt_name, vector, store_vector, packed, clamp, units_per_thread
+        _TL_DTYPES[x.dtype],
+        fmt_name,
+        vector,
+        store_vector,
+        packed,
+        clamp,
+        plan.units_per_thread,
+        plan.stages,
+        plan.staging,
+        plan.threads,
     )
     if compiling_only():
         return
 
-    groups_per_cta = THREADS // threads_per_row
-    num_ctas = max(1, min(sm_count(x.device) * MIN_BLOCKS, ceil_div(rows * parts_per_row, groups_per_cta)))
+    groups_per_cta = plan.threads // plan.threads_per_row
+    tasks = rows << plan.part_shift
+    num_ctas = max(1, min(sm_count(x.device), ceil_div(tasks, groups_per_cta)))
     placeholder_int = torch.zeros(1, dtype=torch.int32, device=x.device)
     if sf is None:
         sf_argument, sf_row_stride, sf_kblock_stride = torch.zeros(1, dtype=torch.float32, device=x.device), 0, 0
@@ -727,8 +1017,9 @@ def _launch(
         sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf).view(torch.uint8), sf.stride(1), 0
     else:
         sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf), sf.stride(0), sf.stride(1)
-    bf16_words = x.dtype == torch.bfloat16 and vector % 2 == 0
-    x_argument = flat_view(x).view(torch.int32) if bf16_words else flat_view(x)
+    # Rows as 32-bit words (bf16 pairs or fp32 values), except single bf16 values.
+    as_words = x.dtype == torch.float32 or vector % 2 == 0
+    x_argument = flat_view(x).view(torch.int32) if as_words else flat_view(x)
     row_stride_vectors = x.stride(0) // vector if rows > 1 else 2 * hidden // vector
     q_argument = flat_view(q).view(torch.uint8) if q.dtype == torch.int8 else flat_view(q)
     expert_words, expert_stride, expert_offset = _index_words(pos_to_expert, 1)
@@ -736,7 +1027,12 @@ def _launch(
     has_weights = topk_weights is not None
     if has_weights and topk_weights.numel():
         weights_argument = flat_view(topk_weights)
-        weights_shape = (topk_weights.shape[1], topk_weights.stride(0), topk_weights.stride(1))
+        tokens, topk = topk_weights.shape
+        if tokens == 1 or topk_weights.stride(0) == topk * topk_weights.stride(1):
+            # The flat index maps linearly: the kernel skips the division by topk.
+            weights_shape = (0, 0, topk_weights.stride(1))
+        else:
+            weights_shape = (topk, topk_weights.stride(0), topk_weights.stride(1))
     else:
         weights_argument = torch.zeros(1, dtype=torch.float32, device=x.device)
         weights_shape = (1, 0, 0)
@@ -764,8 +1060,8 @@ def _launch(
         sf_kblock_stride,
         int(round_sf),
         int(row_scales),
-        threads_per_row.bit_length() - 1,
-        parts_per_row,
+        plan.threads_per_row.bit_length() - 1,
+        plan.part_shift,
         int(pos_to_expert is not None),
         expert_stride,
         expert_offset,
