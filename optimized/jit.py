@@ -12,9 +12,14 @@ Environment variables (all listed in the README):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import subprocess
 import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -61,8 +66,33 @@ def compile_target() -> dict:
 
 
 def jit(**kwargs):
-    """``tilelang.jit`` with the project's target and pass configuration."""
-    return tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)
+    """``tilelang.jit`` with the project's target and pass configuration. The factory it returns
+    compiles (or loads from TileLang's cache) on call, except inside ``batched_device_compile``."""
+
+    def decorate(factory):
+        return KernelFactory(tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)(factory))
+
+    return decorate
+
+
+class KernelFactory:
+    """A ``tilelang.jit`` kernel factory (its attributes are the wrapped one's) that defers the
+    device compile while a ``batched_device_compile`` is active."""
+
+    def __init__(self, compiler):
+        self._compiler = compiler
+        self.__name__ = getattr(compiler, "__name__", "kernel")
+        self.__doc__ = getattr(compiler, "__doc__", None)
+        self.__wrapped__ = compiler
+
+    def __call__(self, *args, **kwargs):
+        batch = _batch
+        if batch is not None and compiling_only():
+            return batch.lower(self, args, kwargs)
+        return self._compiler(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiler, name)
 
 
 def gpu_available() -> bool:
@@ -125,3 +155,165 @@ def require_cuda(name: str, tensor: torch.Tensor) -> None:
     """Optimized ops run on CUDA tensors only (except under ``compile_only``)."""
     if tensor.device.type != "cuda" and not compiling_only():
         raise ValueError(f"{name} must be a CUDA tensor for the optimized kernels, got device {tensor.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Compile checks on a machine without a GPU: many kernels per nvcc call
+# ---------------------------------------------------------------------------------------------
+#
+# A CPU machine only proves that kernels build; it never launches one. Half of a kernel's compile
+# time there is nvcc parsing the same TileLang/CUTLASS headers (about 127k lines) for every kernel,
+# so ``batched_device_compile`` lowers each kernel with TileLang as its JIT does, then compiles the
+# generated CUDA of many kernels in one nvcc call with TileLang's own device-compile function
+# (same flags, same sm_90a cubin target). A batch that fails is compiled again kernel by kernel,
+# so that every error names its kernel and batching can neither hide nor invent one. Nothing is
+# written to TileLang's kernel cache (there is no host module to run); a marker per kernel (the
+# hash of its TileLang program, target, pass configuration, TileLang and nvcc versions) lets a
+# later check skip kernels that already built.
+
+_batch: DeviceCompileBatch | None = None
+_batch_lock = threading.Lock()
+UNTAGGED = "(kernels lowered outside DeviceCompileBatch.run)"
+_KERNEL_NAME = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
+BATCH_LIMIT = 32  # kernels per nvcc call: the headers are paid once, the cubin stays small
+
+
+class _UnlaunchableKernel:
+    """What a factory returns while the device compile is deferred: launching it is a bug."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: lowered for a compile check only (batched_device_compile); not launchable")
+
+
+class DeviceCompileBatch:
+    """The kernels lowered so far (their CUDA source, by key) and which tag (a case label) needed
+    which kernel; ``compile`` runs nvcc over them and returns the errors per tag."""
+
+    def __init__(self, marker_dir: Path):
+        self.marker_dir = marker_dir
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._sources: dict[tuple, str] = {}  # kernel key -> CUDA source still to compile
+        self._fingerprints: dict[tuple, str] = {}
+        self._errors: dict[tuple, str | None] = {}  # kernel key -> error (None: it built)
+        self._tags: dict[str, list[tuple]] = {}
+
+    def run(self, tag: str, work: Callable[[], object]):
+        """``work()`` with the kernels it lowers recorded under ``tag``."""
+        self._local.tag = tag
+        try:
+            return work()
+        finally:
+            self._local.tag = None
+
+    def lower(self, factory: KernelFactory, args: tuple, kwargs: dict) -> _UnlaunchableKernel:
+        key = (factory.__name__, args, tuple(sorted(kwargs.items())))
+        tag = getattr(self._local, "tag", None) or UNTAGGED
+        with self._lock:
+            self._tags.setdefault(tag, []).append(key)
+            known = key in self._errors or key in self._sources
+        if not known:
+            program = factory.get_tir(*args, **kwargs)
+            fingerprint = _fingerprint(program)
+            if (self.marker_dir / fingerprint).exists():
+                source = None
+            else:
+                target = tilelang.tvm.target.Target(compile_target())
+                with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
+                    source = tilelang.lower(program, target=target).kernel_source
+            with self._lock:
+                if source is None:
+                    self._errors[key] = None
+                elif key not in self._errors:
+                    self._sources[key] = source
+                    self._fingerprints[key] = fingerprint
+        return _UnlaunchableKernel(factory.__name__)
+
+    def compile(self, workers: int) -> dict[str, str]:
+        """nvcc over every kernel lowered and not yet compiled; the first error of each tag."""
+        with self._lock:
+            pending = list(self._sources.items())
+            self._sources.clear()
+        if pending:
+            size = max(1, min(BATCH_LIMIT, -(-len(pending) // max(1, workers))))
+            batches = [pending[i : i + size] for i in range(0, len(pending), size)]
+            with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="tileproof-nvcc") as pool:
+                for errors in pool.map(self._compile_batch, batches):
+                    with self._lock:
+                        self._errors.update(errors)
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        for key, error in self._errors.items():
+            if error is None and key in self._fingerprints:
+                (self.marker_dir / self._fingerprints[key]).touch()
+        failures = {}
+        for tag, keys in self._tags.items():
+            error = next((self._errors.get(key) for key in keys if self._errors.get(key)), None)
+            if error:
+                failures[tag] = error
+        return failures
+
+    def _compile_batch(self, batch: list[tuple[tuple, str]]) -> dict[tuple, str | None]:
+        if len(batch) > 1 and _device_compile_error(_translation_unit([source for _, source in batch])) is None:
+            return {key: None for key, _ in batch}
+        return {key: _device_compile_error(_translation_unit([source])) for key, source in batch}
+
+
+@contextmanager
+def batched_device_compile(marker_dir: Path | None = None) -> Iterator[DeviceCompileBatch]:
+    """Inside, ``compile_only`` calls lower their kernels and defer nvcc to ``batch.compile``.
+    Meant for machines without a GPU (the kernels are never loaded), one batch at a time."""
+    global _batch
+    directory = marker_dir or Path(os.environ["TILELANG_CACHE_DIR"]) / "tileproof-device-checked"
+    with _batch_lock:
+        if _batch is not None:
+            raise RuntimeError("batched_device_compile is already active")
+        _batch = DeviceCompileBatch(directory)
+    try:
+        yield _batch
+    finally:
+        _batch = None
+
+
+def _translation_unit(sources: list[str]) -> str:
+    """The kernels' sources in one file, each kernel renamed so that the names stay distinct."""
+    parts = []
+    for index, source in enumerate(sources):
+        names = sorted(set(_KERNEL_NAME.findall(source)))
+        parts += [f"#define {name} {name}_tileproof_{index}" for name in names]
+        parts.append(source)
+        parts += [f"#undef {name}" for name in names]
+    return "\n".join(parts)
+
+
+def _device_compile_error(code: str) -> str | None:
+    from tilelang.cuda.backend import tilelang_callback_cuda_compile
+
+    try:
+        tilelang_callback_cuda_compile(code, tilelang.tvm.target.Target(compile_target()), PASS_CONFIGS)
+    except Exception as error:
+        text = f"{type(error).__name__}: {error}"
+        return text if len(text) <= 4000 else text[:2000] + " … " + text[-2000:]
+    return None
+
+
+def _fingerprint(program) -> str:
+    parts = [
+        program.script(show_meta=True),
+        json.dumps(compile_target(), sort_keys=True),
+        repr(sorted((str(k), repr(v)) for k, v in PASS_CONFIGS.items())),
+        tilelang.__version__,
+        _nvcc_version(),
+    ]
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+@cache
+def _nvcc_version() -> str:
+    nvcc = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    try:
+        return subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "no nvcc"

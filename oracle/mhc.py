@@ -941,16 +941,22 @@ def _premise_check(name: str, worst: float, limit: float) -> Check:
     return _check_text(f"premise {name} ≤ {limit:g}", ok, "premise", f"{worst:.3g}", f"reaches {worst:.3g}")
 
 
-def _sinkhorn_gain(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
-    """``Σ_j |∂comb[t, i, o] / ∂logits[t, j]| / max(comb[t, i, o], 2^-10)`` in float64: the rows of
-    each token's n² × n² Jacobian, one explicit backward per (i, o)."""
+def sinkhorn_jacobian(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """``J[t, (i o), (j l)] = ∂comb[t, i, o] / ∂logits[t, j, l]`` in float64 ``[T, n², n²]``: one explicit
+    backward per (i, o), all n² of them in one call (the tokens repeated once per one-hot)."""
     logits = f64(logits)
-    comb = reference.sinkhorn_forward_math(logits, repeat, eps)
-    # All n² backward passes in one call: the tokens repeated once per (i, o), each with its one-hot.
     one_hot = torch.eye(N * N, dtype=F64, device=logits.device)
     one_hots = repeat_tensor(one_hot, "k (i o) -> (k t) i o", t=logits.shape[0], i=N)
     rows = reference.sinkhorn_backward_math(one_hots, repeat_tensor(logits, "t i o -> (k t) i o", k=N * N), repeat, eps)
-    gain = rearrange(reduce(rows.abs(), "(k t) i o -> t k", "sum", k=N * N), "t (i o) -> t i o", i=N)
+    return rearrange(rows, "(k t) j l -> t k (j l)", k=N * N)
+
+
+def _sinkhorn_gain(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tensor:
+    """``Σ_j |∂comb[t, i, o] / ∂logits[t, j]| / max(comb[t, i, o], 2^-10)`` in float64: the rows of
+    each token's n² × n² Jacobian."""
+    comb = reference.sinkhorn_forward_math(f64(logits), repeat, eps)
+    row_sums = reduce(sinkhorn_jacobian(logits, repeat, eps).abs(), "t k m -> t k", "sum")
+    gain = rearrange(row_sums, "t (i o) -> t i o", i=N)
     return gain / torch.clamp(comb, min=2.0**-10)
 
 

@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from einops import rearrange, reduce
+from einops import einsum, rearrange, reduce
 
 from tileproof.reference import engram as reference_engram
 from tileproof.reference import mhc as reference_mhc
@@ -886,14 +886,19 @@ class MhcPipeline(ModelingOp):
             d_head_base,
             reduce(d_head_folded * head["fn"], "m k -> k", "sum"),
         )
-        head_norm_rss = _norm_fn_term_rss(d_head_mixes, _flat(head["x"]), head["fn"], head["gamma"], eps)
-        head_split_rss = _affine_term_rss(d_head_mixes / head["scale"], head["mixes"], (N,))
+        # The terms: d_weights[t, o] = Σ_c g·X_o is itself a sum over channels (it cancels, and its
+        # error scales with its terms, not with it), so the parameters' terms are counted over (t, c).
+        weight_terms = _channel_rss(grad, head["x"], "t c, t o c -> t o")
+        head_mixes_terms = rm.head_mix_backward_math(weight_terms, head["mixes"], head["scale"], head["base"])[0].abs()
+        head_norm_rss = _norm_fn_term_rss(head_mixes_terms, _flat(head["x"]), head["fn"], head["gamma"], eps)
+        head_split_rss = _affine_term_rss(head_mixes_terms / head["scale"].abs(), head["mixes"], (N,))
         head_rss = (head_norm_rss[0], head_split_rss[0], head_split_rss[1], head_norm_rss[1])
         block_gradients, block_rss = [], []
         for step in reversed(steps["blocks"]):
             x, fn, gamma = step["x"], step["fn"], step["gamma"]
             d_y, d_x_post, d_post, d_comb = rm.post_backward_math(d_x, step["y"], x, step["post"], step["comb"])
             d_x_apply, d_pre = rm.apply_mix_backward_math(d_y * step["gain"], x, step["pre"])
+            d_mixes_terms = _mixes_terms(step, d_x, d_y * step["gain"], options)
             d_logits = rm.sinkhorn_backward_math(d_comb, step["logits"], repeat, s_eps)
             d_mixes, d_scale, d_base = rm.split_mixes_backward_math(
                 d_pre, d_post, d_logits, step["mixes"], step["scale"], step["base"], N, options["post_mult_value"]
@@ -903,8 +908,8 @@ class MhcPipeline(ModelingOp):
             # γ folded into fn: dfn = dfn̂⊙γ, dγ = Σ_j dfn̂⊙fn
             block_gradients.insert(0, (d_folded * gamma, d_scale, d_base, reduce(d_folded * fn, "m k -> k", "sum")))
             group = torch.cat([step["scale"][k : k + 1].expand(size) for k, size in enumerate((N, N, N * N))])
-            norm_rss = _norm_fn_term_rss(d_mixes, _flat(x), fn, gamma, eps)
-            split_rss = _affine_term_rss(d_mixes / group, step["mixes"], (N, N, N * N))
+            norm_rss = _norm_fn_term_rss(d_mixes_terms, _flat(x), fn, gamma, eps)
+            split_rss = _affine_term_rss(d_mixes_terms / group.abs(), step["mixes"], (N, N, N * N))
             block_rss.insert(0, (norm_rss[0], split_rss[0], split_rss[1], norm_rss[1]))
         stacked = tuple(torch.stack([g[k] for g in block_gradients]) for k in range(len(PARAMETERS)))
         stacked_rss = tuple(tuple(r[k] for r in block_rss) for k in range(len(PARAMETERS)))
@@ -923,6 +928,38 @@ class MhcPipeline(ModelingOp):
 
 def _flat(streams: torch.Tensor) -> torch.Tensor:
     return rearrange(streams, "t i c -> t (i c)")
+
+
+def _channel_rss(a: torch.Tensor, b: torch.Tensor, pattern: str) -> torch.Tensor:
+    """RSS over the summed channels of the products of an einsum ``a ⊙ b`` (same pattern)."""
+    return torch.sqrt(einsum(a * a, b * b, pattern))
+
+
+def _mixes_terms(step: dict, d_streams: torch.Tensor, d_layer_input: torch.Tensor, options: dict) -> torch.Tensor:
+    """The RSS of the channel terms behind each d_mixes[t, j] of a block (float64 ``[T, n² + 2n]``).
+
+    d_pre, d_post and d_comb are sums over C of products that cancel (random-sign gradients), so
+    their storage errors scale with the RSS of those products, not with the sums. These RSS go
+    through the block's backward as the sums do: through σ' (positive) and the scales for pre and
+    post, and through the Sinkhorn Jacobian for comb, where the per-(i, o) terms meet in
+    quadrature: every term of d_logits[t, j] is one channel's product times J[t, (i o), j]."""
+    x = step["x"]
+    pre_terms = _channel_rss(d_layer_input, x, "t c, t i c -> t i")
+    post_terms = _channel_rss(step["y"], d_streams, "t c, t o c -> t o")
+    comb_terms = _channel_rss(x, d_streams, "t i c, t o c -> t i o")
+    jacobian = oracle_mhc.sinkhorn_jacobian(step["logits"], options["sinkhorn_repeat"], options["sinkhorn_eps"])
+    logits_terms = torch.sqrt(einsum(jacobian**2, rearrange(comb_terms, "t i o -> t (i o)") ** 2, "t k j, t k -> t j"))
+    d_mixes_terms, _, _ = reference_mhc.split_mixes_backward_math(
+        pre_terms,
+        post_terms,
+        rearrange(logits_terms, "t (i o) -> t i o", i=N),
+        step["mixes"],
+        step["scale"],
+        step["base"],
+        N,
+        options["post_mult_value"],
+    )
+    return d_mixes_terms.abs()
 
 
 def _norm_fn_term_rss(d_mixes, x, fn, gamma, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

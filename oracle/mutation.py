@@ -1417,15 +1417,18 @@ def run_mutants(
 # ---------------------------------------------------------------------------------------------
 
 
+SKIP_WHY = "no optimized twin or operator not registered; each mutant's evidence says which"
+
+
 def family_line(family: str, figures: dict[str, int]) -> str:
-    """``quant: 13/14 mutants killed (1 known gap), 4 skipped (operator not registered)``."""
+    """``quant: 13/14 mutants killed (1 known gap), 4 skipped (…)``."""
     if not figures["run"]:
-        return f"{family}: no registered operator, {figures['skipped']} mutants skipped"
+        return f"{family}: nothing to mutate, {figures['skipped']} mutants skipped ({SKIP_WHY})"
     text = f"{family}: {figures['killed']}/{figures['run']} mutants killed"
     if figures["known_gaps"]:
         text += f" ({figures['known_gaps']} known gap{'s' if figures['known_gaps'] > 1 else ''})"
     if figures["skipped"]:
-        text += f", {figures['skipped']} skipped (operator not registered)"
+        text += f", {figures['skipped']} skipped ({SKIP_WHY})"
     return text
 
 

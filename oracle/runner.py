@@ -13,7 +13,9 @@ The stages, for the selected cases:
    ``compile_only()``, from a thread pool, with uninitialized inputs of the right shapes and
    strides. One case per compile group goes first, so that parallel workers compile different
    kernels; the rest hit the cache. Without a GPU this *is* the test of the optimized twin (every
-   kernel builds for sm_90a); with one it warms the kernel cache before anything is timed.
+   kernel builds for sm_90a): TileLang lowers each kernel and nvcc then compiles many kernels'
+   CUDA per call (``batched_device_compile`` in the jit module: the headers nvcc parses for every
+   kernel are half the time); with one it compiles and caches each kernel before anything is timed.
 2. Per case: inputs from the case's seed, the reference (on the GPU when there is one, else on the
    CPU) and its self-checks, including the native reference against its float64 version under the
    output's own ``RelativeError`` bound (``OpSpec.reference_float64``). Then, with a GPU (or on the
@@ -366,13 +368,38 @@ def compile_pass(
             seen.add(group)
             first.append(case)
     results: dict[str, str | None] = {}
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tileproof-compile") as pool:
-        for wave in (first, rest):
-            for case, error in zip(wave, pool.map(lambda c: _compile_one(c, device, twin), wave), strict=True):
-                results[case.label] = error
-                if on_done:
-                    on_done(case, error)
+    with _device_compile_batch(twin) as batch:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tileproof-compile") as pool:
+
+            def compile_one(case: Case) -> str | None:
+                if batch is None:
+                    return _compile_one(case, device, twin)
+                return batch.run(case.label, lambda: _compile_one(case, device, twin))
+
+            for wave in (first, rest):
+                for case, error in zip(wave, pool.map(compile_one, wave), strict=True):
+                    results[case.label] = error
+                    if on_done:
+                        on_done(case, error)
+        if batch is not None:
+            for label, error in batch.compile(workers).items():
+                results[label] = results[label] or error
     return results
+
+
+@contextlib.contextmanager
+def _device_compile_batch(twin: Twin) -> Iterator:
+    """Without a GPU (nothing is launched), the twin's jit defers nvcc and compiles many kernels
+    per call (``batched_device_compile``); with one, kernels are compiled and cached one by one."""
+    try:
+        batched = getattr(importlib.import_module(twin.jit_module), "batched_device_compile", None)
+    except Exception:  # reported per case by _compile_one
+        batched = None
+    if batched is None or torch.cuda.is_available():
+        yield None
+        return
+    with batched() as batch:
+        yield batch
 
 
 def compile_all(

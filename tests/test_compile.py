@@ -25,3 +25,50 @@ def test_kernels_target_hopper_without_a_gpu():
     target = compile_target()
     assert target["kind"] == "cuda"
     assert target["arch"] in ("sm_90a", "sm_100a") or target["arch"].startswith("sm_")
+
+
+def _copy_kernel_factory(extern: str):
+    """A one-line elementwise kernel; ``extern`` names a device function it calls ("" for none)."""
+    import tilelang.language as T
+
+    from tileproof.optimized.jit import jit
+
+    @jit()
+    def copy_kernel(call_extern: str):
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def kernel(source: T.Tensor((n,), "float32"), target: T.Tensor((n,), "float32")):
+            with T.Kernel(T.ceildiv(n, 128), threads=128) as (block,):
+                index = block * 128 + T.get_thread_binding()
+                if index < n:
+                    if call_extern:
+                        target[index] = T.call_extern("float32", call_extern, source[index])
+                    else:
+                        target[index] = source[index]
+
+        return kernel
+
+    return copy_kernel
+
+
+@pytest.mark.compile
+def test_batched_device_compile_names_the_kernel_that_fails(tmp_path):
+    """Many kernels per nvcc call: a kernel whose CUDA does not compile fails its own tag only (the
+    failing batch is compiled again kernel by kernel), and kernels that built are not compiled again."""
+    from tileproof.optimized.jit import batched_device_compile, compile_only
+
+    factory = _copy_kernel_factory("")
+    with batched_device_compile(tmp_path) as batch, compile_only():
+        batch.run("good", lambda: factory(""))
+        batch.run("bad", lambda: factory("no_such_device_function"))
+        batch.run("good again", lambda: factory(""))
+    failures = batch.compile(workers=1)
+    assert set(failures) == {"bad"}
+    assert "no_such_device_function" in failures["bad"]
+    assert len(list(tmp_path.iterdir())) == 1  # one marker: the kernel that built
+
+    with batched_device_compile(tmp_path) as again, compile_only():
+        again.run("good", lambda: factory(""))
+    assert not again._sources  # known from its marker: nothing left to compile
+    assert again.compile(workers=1) == {}
