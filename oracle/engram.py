@@ -11,8 +11,8 @@ Cases:
   offsets their per-layer prefix sums; token ids below 129280; Engram's odd multipliers (no int64
   overflow) and multipliers that overflow (the wrapped XOR is negative: floored modulo); one
   case's ids are a column view of a wider buffer padded with −1;
-- *gate*: T ∈ {0, 1, 4001, 8192} × D ∈ {4096, 7168} (``full``; tiny shapes and one D = 4096 in
-  ``quick``); k and v views of one fused ``[T, (n + 1)·D]`` projection output (some cases
+- *gate*: T ∈ {0, 1, 4001, 8192} × D ∈ {4096, 7168} (``full``; tiny shapes, one D = 4096 and one
+  D = 7168 in ``quick``); k and v views of one fused ``[T, (n + 1)·D]`` projection output (some cases
   contiguous); token 1 has an all-zero x stream and token 2 an all-zero k stream (only eps keeps
   rstd finite; s = 0 gives gate ½ and the clamped branch); every other (token, stream) has
   |s| ≥ 2^-8, k rows being redrawn until it does (see ``S_GAP``); eps 1e-20 and clamp 1e-6
@@ -227,8 +227,9 @@ class EngramHash(FloatOp):
         )
 
     def kernel_group(self, case):
+        # One optimized kernel for every shape (N, M, layers, tokens and the ids' strides are runtime).
         p: HashParams = case.params
-        return None if p.tokens == 0 else (self.name, p.max_ngram, p.layers, p.tables, p.strided)
+        return None if p.tokens == 0 else (self.name,)
 
     def extra_checks(self, case, call, outputs):
         ids, multipliers, vocab, offsets = call.args
@@ -304,7 +305,9 @@ class FusedWeight(FloatOp):
         return N * case.params.hidden * (2 + 2 + 4)
 
     def kernel_group(self, case):
-        return (self.name, case.params.pad > 0)
+        # The optimized kernel is static in its vector width: what divides D and the row stride.
+        p: WeightParams = case.params
+        return (self.name, math.gcd(p.hidden, p.hidden + p.pad, 8))
 
     def extra_checks(self, case, call, outputs):
         wh, we = call.args
@@ -335,6 +338,7 @@ GATE_SHAPES = {
         (5, 512, "fused", 1, False, CLAMP),
         (2, 4096, "contiguous", 2, True, CLAMP),
         (11, 512, "fused", 4, True, 0.3),
+        (3, 7168, "fused", 2, True, CLAMP),  # the CTA shape of D > 4096
     ],
     "full": [(t, d, "fused", 132, True, CLAMP) for d in GATE_HIDDENS for t in TOKENS]
     + [
@@ -364,8 +368,10 @@ class GateOp(FloatOp):
         return cases
 
     def kernel_group(self, case):
+        # The optimized kernel is static in its CTA shape only (D, strides and save_for_backward are
+        # runtime): one shape up to D = 4096, another at D = 7168.
         p: GateParams = case.params
-        return None if p.tokens == 0 else (self.name, p.hidden, p.layout, p.save_for_backward)
+        return None if p.tokens == 0 else (self.name, p.hidden > 4096)
 
     def gate_inputs(self, p: GateParams, device, generator, k_scale: float):
         """x ``[T, n, D]`` contiguous; k ``[T, n, D]`` and v ``[T, D]`` (views of one fused projection
@@ -562,8 +568,10 @@ class GateBwd(GateOp):
         return read + written
 
     def kernel_group(self, case):
+        # Static in its CTA shape only (as the forward's; P is runtime); with T = 0 the kernel still
+        # writes the zero blocks.
         p: GateParams = case.params
-        return None if p.tokens == 0 else (self.name, p.hidden, p.layout, p.num_partials)
+        return (self.name, p.hidden > 4096)
 
     def reference_float64(self, case, call):
         grad, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp = call.args
@@ -660,7 +668,10 @@ class GradWReduce(FloatOp):
         return p.num_partials * N * p.hidden * 4 + N * p.hidden * (2 * 2 + 2 * 4 * 2)
 
     def kernel_group(self, case):
-        return (self.name, case.params.num_partials, case.params.hidden)
+        # Static in the fp32 vector width only (P is runtime; contiguous [n, D] is read as one row of
+        # n·D elements); P = 0 launches nothing.
+        p: ReduceParams = case.params
+        return None if p.num_partials == 0 else (self.name, math.gcd(N * p.hidden, 4))
 
     def reference_float64(self, case, call):
         dw, wh, we, grad_wh, grad_we = call.args

@@ -14,7 +14,10 @@ oracle"); the policy, the measured metric and the bound travel with every result
 - ``RelativeError``: other float outputs, against the reference run in float64 where the operator
   provides one: ``max |out - ref| / max(|ref|, atol) <= bound`` over the elements where the
   reference is finite; a NaN or infinity where the reference is finite fails, and wherever the
-  reference is NaN or ±Inf the output must be the same non-finite value.
+  reference is NaN or ±Inf the output must be the same non-finite value. An output whose rounding
+  errors scale with intermediates larger than itself (a sum that cancels) names its per-element
+  error scale (``scale``, in words); its float64 reference then comes as ``ScaledReference``
+  (values and scales) and the denominator is ``max(|ref|, atol, scale)``.
 """
 
 from __future__ import annotations
@@ -63,20 +66,35 @@ class Bitwise:
 class RelativeError:
     bound: float
     atol: float = 0.0  # denominators below this are raised to it (relative error near zero)
+    scale: str = ""  # what the per-element error scale is ("": none; see ScaledReference)
 
     kind = "relative"
 
     def describe(self) -> str:
-        return (
-            f"relative error vs the float64 reference: max |out - ref| / max(|ref|, {self.atol:g}) <= "
+        floor = f"{self.atol:g}, S" if self.scale else f"{self.atol:g}"
+        text = (
+            f"relative error vs the float64 reference: max |out - ref| / max(|ref|, {floor}) <= "
             f"{self.bound:g} where ref is finite; same dtype and shape; NaN/±Inf exactly where ref has them"
         )
+        return text + (f"; S = {self.scale}" if self.scale else "")
 
     def short(self) -> str:
         return f"rel ≤ {self.bound:g}"
 
 
 Policy = Bitwise | RelativeError
+
+
+@dataclass(frozen=True)
+class ScaledReference:
+    """A float64 reference with the per-element error scales of a ``RelativeError(scale=...)``."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def compare(name: str, actual, expected: torch.Tensor, policy: Policy, *, expected64=None) -> Check:
@@ -131,7 +149,12 @@ def _compare_bits(name: str, actual: torch.Tensor, expected: torch.Tensor, polic
     return Check(name, FAIL, policy.short(), metric, detail)
 
 
-def _compare_relative(name: str, actual: torch.Tensor, expected: torch.Tensor, policy: RelativeError) -> Check:
+def _compare_relative(name: str, actual: torch.Tensor, expected, policy: RelativeError) -> Check:
+    scale = None
+    if isinstance(expected, ScaledReference):
+        expected, scale = expected.values, expected.scale
+    if policy.scale and scale is None:
+        return Check(name, ERROR, policy.short(), "", f"no float64 error scale given ({policy.scale})")
     if expected.numel() == 0:
         return Check(name, PASS, policy.short(), "empty")
     a = actual.to(device=expected.device, dtype=torch.float64)
@@ -141,6 +164,8 @@ def _compare_relative(name: str, actual: torch.Tensor, expected: torch.Tensor, p
     same_nonfinite = (torch.isnan(e) & torch.isnan(a)) | (a == e)
     bad = (~finite & ~same_nonfinite) | (finite & ~torch.isfinite(a))
     denominator = torch.clamp(e.abs(), min=policy.atol) if policy.atol > 0 else e.abs()
+    if scale is not None:
+        denominator = torch.maximum(denominator, scale.to(device=e.device, dtype=torch.float64))
     error = (a - e).abs()
     # 0/0 (both exactly zero) is no error; x/0 with x > 0 is an infinite relative error.
     relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
@@ -161,6 +186,8 @@ def _compare_relative(name: str, actual: torch.Tensor, expected: torch.Tensor, p
             f"relative error {worst:.3g} > {policy.bound:g}; worst at {list(first)}: reference "
             f"{e[first].item()!r}, got {a[first].item()!r}"
         )
+        if scale is not None:
+            detail += f", error scale {float(scale[first]):.6g}"
         return Check(name, FAIL, policy.short(), metric, detail)
     return Check(name, PASS, policy.short(), metric)
 

@@ -129,13 +129,24 @@ def test_every_quick_case_passes_its_checks(name, seed):
 def test_report_scales_bring_the_terms_rss_into_half_one(seed):
     op = registry.get_op("mhc_pipeline")
     call = op.build(_quick("mhc_pipeline", lambda p: p.tokens > 10), CPU, torch.Generator().manual_seed(seed))
-    _, _, rss = op.backward_float64(call)
+    rss = op.backward_float64(call)[2]
     blocks = len(spec_module.PARAMETERS)
     flat_scales = [s for per_block in call.args[11][:blocks] for s in per_block] + list(call.args[11][blocks:])
     flat_rss = [r for per_block in rss[:blocks] for r in per_block] + list(rss[blocks:])
     assert len(flat_scales) == len(flat_rss) == spec_module.BLOCKS * blocks + blocks
     for scale, terms in zip(flat_scales, flat_rss, strict=True):
         assert 0.5 < float(terms.max()) * scale <= 1.0
+
+
+def test_embedding_error_scale_bounds_the_gradient_it_scales(seed):
+    """S, the backward taken term by term in magnitude, is ≥ |dh| everywhere (every weight is
+    positive), and exceeds it where stream gradients cancel: there it is the denominator."""
+    op = registry.get_op("mhc_pipeline")
+    call = op.build(_quick("mhc_pipeline", lambda p: p.tokens > 10), CPU, torch.Generator().manual_seed(seed))
+    d_h, _, _, scale = op.backward_float64(call)
+    assert scale.shape == d_h.shape and scale.dtype == torch.float64
+    assert bool((scale >= d_h.abs() * (1 - 1e-12)).all())
+    assert float((scale / d_h.abs().clamp(min=1e-30)).max()) > 4  # some cancellation is present
 
 
 # ---------------------------------------------------------------------------------------------

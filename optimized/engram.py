@@ -1,0 +1,913 @@
+"""Optimized twin of the Engram family (contract §4): TileLang kernels for sm_90a / sm_100.
+
+Same public names, argument order and results as ``tileproof.reference.engram`` (``engram_hash``
+and ``fused_weight`` bit for bit; the gate within the oracle's stated bounds: its sums over D run
+in another order than PyTorch's). The reference's module docstring states the math.
+
+Kernel design (everything here is memory-bound):
+
+- ``engram_hash``: one thread per output row (layer, token, column), coalesced int32 stores; N, M
+  and every size are runtime values (one compiled kernel). The n-gram products wrap in 64-bit
+  unsigned arithmetic (two's complement, no signed overflow), the XOR is reinterpreted as int64 and
+  reduced with a floored modulo (C's ``%`` truncates; a negative remainder gets the table size added).
+- ``fused_weight``: one thread per vector of ``w``; the product of two bf16 values is exact in fp32.
+- ``engram_gate_fwd``: one CTA per token, all ``n`` streams; thread ``tx`` owns the 16-byte
+  column vectors ``i·threads + tx``. x, k and v are read once (every load of the token in flight
+  before any use), x and v stay in registers for ``out``. The ``3n`` sums over D (Σx², Σk²,
+  Σx·w·k) are fp32: per thread, then a ``shfl_xor`` butterfly per warp, then the warps' partials
+  through shared memory in warp order, so every thread holds the same totals and computes the
+  statistics itself (no second barrier). Strides of x, k and v are runtime values (k and v may be
+  views of one fused projection output); ``save_for_backward`` is a runtime switch.
+- ``engram_gate_bwd``: one persistent CTA per token block of ``dw_partial`` (grid = P, whatever
+  the SM count). Per token: grad_out, x, k and v are loaded, ``dv = Σ_m gate_m·go_m`` is stored at
+  once, ``dg = Σ_d go·v`` is reduced like the forward's sums, then ``β``, ``dx`` and ``dk``. The
+  block's ``Σ_t β·x⊙k`` accumulates in shared memory (each thread owns its columns, so no races
+  and no atomics; ``n·D`` fp32 per CTA is too much for registers at D = 7168), in token order.
+  The warps' ``dg`` partials go through two alternating slots of the same shared buffer, which
+  makes one barrier per token enough.
+- ``grad_w_reduce``: elementwise over ``[n, D]``, read as one row of ``n·D`` elements when the
+  rows are back to back (16-byte vectors at any D, n = 4). A CTA per 32 column vectors; its 8 warps
+  sum interleaved eighths of the P partials (4 loads in flight per thread), then warp 0 adds the 8
+  partial sums in warp order, multiplies by the gains and updates the two accumulators in place.
+  Nothing depends on the SM count; P = 0 launches nothing.
+
+Vectors are 16 bytes wide when every row length, stride and base address allows it, narrower
+otherwise (down to one element). Tensors need unit stride along their last dimension (the
+reference's rule for the gate; for ``fused_weight`` and ``grad_w_reduce`` this twin asks it too,
+``ValueError`` otherwise); the small ``[T, n]`` statistics of the backward and the hash's
+parameter tables are made contiguous first (a no-op for the usual layouts).
+"""
+
+import tilelang.language as T
+import torch
+
+from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_tensor
+from tileproof.reference.engram import _check_gate_inputs, _check_shape, _check_unit_last_stride
+
+from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+
+__all__ = ["engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"]
+
+_INT32_MAX = 2**31 - 1
+HASH_THREADS = 128
+WEIGHT_THREADS = 128
+REDUCE_WARPS = 8  # P-slices of grad_w_reduce's CTA
+REDUCE_UNROLL = 4  # partial loads in flight per thread
+GATE_THREADS = 256
+MAX_GATE_THREADS = 512
+
+
+def gate_schedule(hidden: int, vector: int) -> tuple[int, int]:
+    """(threads, column vectors per thread) of the gate kernels for a row of ``hidden`` elements.
+
+    Two 16-byte columns per thread keep ~100 registers of x, k, v (and go) per thread, so that
+    two 256-thread CTAs fit on an SM at D = 4096 (the forward's acceptance shape). Rows of up to
+    512 columns all take that shape (small D leaves threads idle, which only costs small rows, and
+    keeps the compiled configurations few); wider rows take whole warps of two columns each (448
+    threads at D = 7168), and rows wider than 512 threads × 2 columns take more columns per thread.
+    Columns past the row are masked.
+    """
+    columns = max(1, hidden // vector)
+    if columns <= 2 * GATE_THREADS:
+        return GATE_THREADS, 2
+    per_thread = max(2, ceil_div(columns, MAX_GATE_THREADS))
+    return min(MAX_GATE_THREADS, 32 * ceil_div(ceil_div(columns, per_thread), 32)), per_thread
+
+
+def _vector_width(width: int, max_vector: int, tensors) -> int:
+    """Widest vector (elements, at most ``max_vector``) dividing ``width`` and every leading stride
+    of ``tensors`` (of dimensions longer than 1), with every base address aligned to the vector's
+    bytes (at most 16: wider fp32 vectors travel as several 16-byte accesses)."""
+
+    def fits(vector: int) -> bool:
+        return not width % vector and all(
+            not t.data_ptr() % min(16, vector * t.element_size()) and not any(s % vector for s in _leading_strides(t))
+            for t in tensors
+        )
+
+    vector = max_vector
+    while vector > 1 and not fits(vector):
+        vector //= 2
+    return vector
+
+
+def _leading_strides(tensor: torch.Tensor) -> list[int]:
+    """The strides of every dimension but the last; 0 for a dimension of size 1 (its stride is
+    irrelevant, so it never constrains the vector width)."""
+    return [(s if size > 1 else 0) for size, s in zip(tensor.shape[:-1], tensor.stride()[:-1], strict=True)]
+
+
+def _strides_in_vectors(tensor: torch.Tensor, vector: int) -> list[int]:
+    return [s // vector for s in _leading_strides(tensor)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Hash
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def hash_kernel(threads: int = HASH_THREADS):
+    """One kernel for every shape: N, M, layers, tokens and the ids' strides are runtime values.
+    Grid: ``(ceil(T·C / threads), L)`` with ``C = (N-1)·M``; thread ``f`` of a layer computes row
+    ``f`` of its ``[T, C]`` output (coalesced int32 stores). The parameter tables are contiguous,
+    so ``vocab_sizes[l]`` flattened is indexed by the output column itself."""
+    ids_span = T.dynamic("ids_span")
+    multipliers_span = T.dynamic("multipliers_span")
+    vocab_span = T.dynamic("vocab_span")
+    offsets_span = T.dynamic("offsets_span")
+    out_span = T.dynamic("out_span")
+
+    @T.prim_func
+    def kernel(
+        ids: T.Tensor((ids_span,), "int32"),
+        multipliers: T.Tensor((multipliers_span,), "int64"),
+        vocab_sizes: T.Tensor((vocab_span,), "int32"),
+        offsets: T.Tensor((offsets_span,), "int32"),
+        out: T.Tensor((out_span,), "int32"),
+        num_tokens: T.int32,
+        num_layers: T.int32,
+        max_ngram: T.int32,
+        tables: T.int32,
+        ids_row_stride: T.int32,
+        ids_column_stride: T.int32,
+    ):
+        columns = (max_ngram - 1) * tables
+        with T.Kernel(T.ceildiv(num_tokens * columns, threads), num_layers, threads=threads) as (part, layer):
+            tx = T.get_thread_binding()
+            flat = part * threads + tx
+            mixed = T.alloc_local((1,), "uint64")
+            if flat < num_tokens * columns:
+                token = flat // columns
+                column = flat % columns
+                order = column // tables + 2  # the n-gram order n of this column
+                ids_row = T.cast(token, "int64") * ids_row_stride
+                # Unsigned products wrap modulo 2^64 exactly like two's-complement int64 ones,
+                # without C's undefined signed overflow.
+                mixed[0] = T.uint64(0)
+                for i in T.serial(order):
+                    token_id = T.cast(T.cast(ids[ids_row + i * ids_column_stride], "int64"), "uint64")
+                    mixed[0] = mixed[0] ^ (token_id * T.cast(multipliers[layer * max_ngram + i], "uint64"))
+                size = T.cast(vocab_sizes[layer * columns + column], "int64")
+                remainder = T.truncmod(T.reinterpret(mixed[0], "int64"), size)  # has the dividend's sign
+                floored = T.if_then_else(remainder < 0, remainder + size, remainder)
+                out[T.cast(layer, "int64") * num_tokens * columns + flat] = (
+                    T.cast(floored, "int32") + offsets[layer * columns + column]
+                )
+
+    return kernel
+
+
+def _check_hash_values(ngram_token_ids, vocab_sizes, offsets) -> None:
+    """The reference's value checks. They read the (small) tables and the ids' minimum back to
+    the host: a table size of 0 would otherwise be a division by zero on the device."""
+    if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
+        raise ValueError(f"vocab_sizes must be positive, got minimum {int(vocab_sizes.min())}")
+    if ngram_token_ids.numel() and int(ngram_token_ids.min()) < 0:
+        raise ValueError(f"ngram_token_ids must be non-negative, got minimum {int(ngram_token_ids.min())}")
+    flat_vocab = vocab_sizes.reshape(vocab_sizes.shape[0], -1).to(torch.int64)
+    if offsets.numel() and int((offsets.to(torch.int64) + flat_vocab).max()) - 1 > _INT32_MAX:
+        raise ValueError("offsets + vocab_sizes must fit in int32 (the last row of a table is offset + vocab - 1)")
+
+
+def engram_hash(
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Hashed n-gram ids → flat embedding-table rows; same contract as
+    ``tileproof.reference.engram.engram_hash``, bit for bit (any strides of the ids)."""
+    check_tensor("ngram_token_ids", ngram_token_ids, dtypes=(torch.int32,), ndim=2)
+    check_tensor("multipliers", multipliers, dtypes=(torch.int64,), ndim=2)
+    check_tensor("vocab_sizes", vocab_sizes, dtypes=(torch.int32,), ndim=3)
+    check_tensor("offsets", offsets, dtypes=(torch.int32,), ndim=2)
+    tokens, max_ngram = ngram_token_ids.shape
+    layers, _, tables = vocab_sizes.shape
+    if max_ngram < 2:
+        raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
+    _check_shape("multipliers", multipliers, (layers, max_ngram))
+    _check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
+    _check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
+    if not compiling_only():  # a compile-only pass gets uninitialized inputs
+        _check_hash_values(ngram_token_ids, vocab_sizes, offsets)
+    require_cuda("ngram_token_ids", ngram_token_ids)
+
+    columns = (max_ngram - 1) * tables
+    out = new_output(torch.empty((layers, tokens, columns), dtype=torch.int32, device=ngram_token_ids.device))
+    if out.numel() == 0:
+        return out
+    if tokens * columns > _INT32_MAX:
+        raise ValueError(f"ngram_token_ids has too many tokens for the kernel's int32 indexing: {tokens}")
+    kernel = hash_kernel()
+    if compiling_only():
+        return out
+    kernel(
+        flat_view(ngram_token_ids),
+        multipliers.contiguous(),
+        vocab_sizes.contiguous().reshape(-1),
+        offsets.contiguous().reshape(-1),
+        out.reshape(-1),
+        tokens,
+        layers,
+        max_ngram,
+        tables,
+        ngram_token_ids.stride(0),
+        ngram_token_ids.stride(1),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused weight
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def fused_weight_kernel(vector: int, threads: int = WEIGHT_THREADS):
+    """Factory over the vector width; n, D and the gains' row strides (in vectors) are runtime
+    values. Grid: ``(ceil(D / (threads·vector)), n)``."""
+    wh_span = T.dynamic("wh_span")
+    we_span = T.dynamic("we_span")
+    w_span = T.dynamic("w_span")
+
+    @T.prim_func
+    def kernel(
+        wh: T.Tensor((wh_span,), "bfloat16"),
+        we: T.Tensor((we_span,), "bfloat16"),
+        w: T.Tensor((w_span,), "float32"),
+        num_streams: T.int32,
+        hidden_vectors: T.int32,
+        wh_row_stride: T.int32,
+        we_row_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(hidden_vectors, threads), num_streams, threads=threads) as (part, stream):
+            tx = T.get_thread_binding()
+            column = part * threads + tx
+            gain_h = T.alloc_local((vector,), "bfloat16")
+            gain_e = T.alloc_local((vector,), "bfloat16")
+            if column < hidden_vectors:
+                for e in T.vectorized(vector):
+                    gain_h[e] = wh[(stream * wh_row_stride + column) * vector + e]
+                for e in T.vectorized(vector):
+                    gain_e[e] = we[(stream * we_row_stride + column) * vector + e]
+                for e in T.vectorized(vector):
+                    w[(stream * hidden_vectors + column) * vector + e] = T.cast(gain_h[e], "float32") * T.cast(
+                        gain_e[e], "float32"
+                    )
+
+    return kernel
+
+
+def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
+    """``w = wh ⊙ we`` in fp32; same contract as ``tileproof.reference.engram.fused_weight``, bit
+    for bit (the product of two bf16 values is exact). The gains need unit stride along D."""
+    check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
+    check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
+    _check_shape("we", we, tuple(wh.shape))
+    _check_unit_last_stride("wh", wh)
+    _check_unit_last_stride("we", we)
+    require_cuda("wh", wh)
+    streams, hidden = wh.shape
+    w = new_output(torch.empty((streams, hidden), dtype=torch.float32, device=wh.device))
+    if w.numel() == 0:
+        return w
+    vector = _vector_width(hidden, 8, (wh, we))
+    kernel = fused_weight_kernel(vector)
+    if compiling_only():
+        return w
+    kernel(
+        flat_view(wh),
+        flat_view(we),
+        w.reshape(-1),
+        streams,
+        hidden // vector,
+        *_strides_in_vectors(wh, vector),
+        *_strides_in_vectors(we, vector),
+    )
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate: shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@T.macro
+def cta_sums(sums, exchange, slot, count: int, lane, warp, warps: int):
+    """``sums[0:count]`` (this thread's fp32 partials) → the CTA's totals, in every thread: a
+    ``shfl_xor`` butterfly per warp, then the warps' partials from ``exchange[slot, warp, :]`` in
+    warp order (the same order, hence the same totals, in every thread), after one barrier."""
+    for s in T.unroll(count):
+        for step in T.unroll(5):
+            sums[s] = sums[s] + T.shfl_xor(sums[s], 1 << step)
+    if lane == 0:
+        for s in T.unroll(count):
+            exchange[(slot * warps + warp) * count + s] = sums[s]
+    T.sync_threads()
+    for s in T.unroll(count):
+        sums[s] = exchange[slot * warps * count + s]
+        for w in T.unroll(1, warps):
+            sums[s] = sums[s] + exchange[(slot * warps + w) * count + s]
+
+
+def _as_float(value):
+    return T.cast(value, "float32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate forward
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def gate_fwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int):
+    """Factory over n, the vector width and the CTA shape; T, D, every stride (in vectors),
+    ``eps``, ``clamp_value`` and ``save_for_backward`` are runtime values. Grid: one CTA per token."""
+    warps = threads // 32
+    count = 3 * streams  # Σx², Σk², Σx·w·k per stream
+
+    x_span = T.dynamic("x_span")
+    k_span = T.dynamic("k_span")
+    v_span = T.dynamic("v_span")
+    w_span = T.dynamic("w_span")
+    out_span = T.dynamic("out_span")
+    stats_span = T.dynamic("stats_span")
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((x_span,), "bfloat16"),
+        k: T.Tensor((k_span,), "bfloat16"),
+        v: T.Tensor((v_span,), "bfloat16"),
+        w: T.Tensor((w_span,), "float32"),
+        out: T.Tensor((out_span,), "bfloat16"),
+        dot_out: T.Tensor((stats_span,), "float32"),
+        gate_out: T.Tensor((stats_span,), "float32"),
+        rstd_x_out: T.Tensor((stats_span,), "float32"),
+        rstd_k_out: T.Tensor((stats_span,), "float32"),
+        num_tokens: T.int32,
+        hidden_vectors: T.int32,
+        x_token_stride: T.int32,
+        x_stream_stride: T.int32,
+        k_token_stride: T.int32,
+        k_stream_stride: T.int32,
+        v_token_stride: T.int32,
+        w_stream_stride: T.int32,
+        hidden: T.float32,
+        scale: T.float32,
+        eps: T.float32,
+        clamp_value: T.float32,
+        save: T.int32,
+    ):
+        with T.Kernel(num_tokens, threads=threads) as (token,):
+            # At least 512 threads' worth of CTAs per SM (≤ 128 registers): the next token's loads
+            # are in flight while a CTA reduces and stores.
+            T.annotate_min_blocks_per_sm(max(1, 512 // threads))
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            xs = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            ks = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            vs = T.alloc_local((columns_per_thread, vector), "bfloat16")
+            ws = T.alloc_local((vector,), "float32")
+            sums = T.alloc_local((count,), "float32")
+            gates = T.alloc_local((streams,), "float32")
+            exchange = T.alloc_shared((warps * count,), "float32")
+
+            x_row = T.cast(token, "int64") * x_token_stride
+            k_row = T.cast(token, "int64") * k_token_stride
+            v_row = T.cast(token, "int64") * v_token_stride
+
+            # Every load of the token first (x, k, v: ~100 registers of 16-byte vectors in flight).
+            for i in T.unroll(columns_per_thread):
+                column = i * threads + tx
+                if column < hidden_vectors:
+                    for e in T.vectorized(vector):
+                        vs[i, e] = v[(v_row + column) * vector + e]
+                    for m in T.unroll(streams):
+                        for e in T.vectorized(vector):
+                            xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
+                        for e in T.vectorized(vector):
+                            ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                else:
+                    # Masked columns are zeros: they add nothing to the sums and are never stored.
+                    for e in T.vectorized(vector):
+                        vs[i, e] = T.cast(0, "bfloat16")
+                    for m in T.unroll(streams):
+                        for e in T.vectorized(vector):
+                            xs[i, m, e] = T.cast(0, "bfloat16")
+                        for e in T.vectorized(vector):
+                            ks[i, m, e] = T.cast(0, "bfloat16")
+
+            for s in T.unroll(count):
+                sums[s] = T.float32(0)
+            for i in T.unroll(columns_per_thread):
+                column = T.min(i * threads + tx, hidden_vectors - 1)  # masked columns: any w, x = 0
+                for m in T.unroll(streams):
+                    for e in T.vectorized(vector):
+                        ws[e] = w[(m * w_stream_stride + column) * vector + e]
+                    for e in T.unroll(vector):
+                        x_value = _as_float(xs[i, m, e])
+                        k_value = _as_float(ks[i, m, e])
+                        sums[m] = sums[m] + x_value * x_value
+                        sums[streams + m] = sums[streams + m] + k_value * k_value
+                        # (x·w)·k as the reference: x·w is exact, the product by k rounds once.
+                        sums[2 * streams + m] = sums[2 * streams + m] + x_value * ws[e] * k_value
+            cta_sums(sums, exchange, 0, count, lane, warp, warps)
+
+            for m in T.unroll(streams):
+                rstd_x = T.rsqrt(T.ieee_fdiv(sums[m], hidden) + eps)
+                rstd_k = T.rsqrt(T.ieee_fdiv(sums[streams + m], hidden) + eps)
+                dot = sums[2 * streams + m]
+                score = dot * rstd_x * rstd_k * scale
+                root = T.sqrt(T.max(T.abs(score), clamp_value))
+                # sign(0) = 0: s == 0 gives σ(0) = ½ exactly.
+                signed_root = T.if_then_else(
+                    score > T.float32(0), root, T.if_then_else(score < T.float32(0), -root, T.float32(0))
+                )
+                gates[m] = T.ieee_fdiv(T.float32(1), T.float32(1) + T.exp(-signed_root))
+                if save != 0 and tx == 0:
+                    dot_out[token * streams + m] = dot
+                    gate_out[token * streams + m] = gates[m]
+                    rstd_x_out[token * streams + m] = rstd_x
+                    rstd_k_out[token * streams + m] = rstd_k
+
+            out_row = T.cast(token, "int64") * streams * hidden_vectors
+            for i in T.unroll(columns_per_thread):
+                column = i * threads + tx
+                if column < hidden_vectors:
+                    for m in T.unroll(streams):
+                        for e in T.vectorized(vector):
+                            out[(out_row + m * hidden_vectors + column) * vector + e] = T.cast(
+                                _as_float(xs[i, m, e]) + gates[m] * _as_float(vs[i, e]), "bfloat16"
+                            )
+
+    return kernel
+
+
+def engram_gate_fwd(
+    x: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    clamp_value: float,
+    save_for_backward: bool = True,
+):
+    """Gate the shared value into every stream; same contract as
+    ``tileproof.reference.engram.engram_gate_fwd`` (k and v may be strided views, e.g. of one fused
+    projection output), within the oracle's bounds: the sums over D run in another order."""
+    tokens, streams, hidden = _check_gate_inputs(x, k, v, w)
+    eps = check_nonnegative_float("eps", eps, allow_zero=True)
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
+    if not isinstance(save_for_backward, bool):
+        raise TypeError(f"save_for_backward must be a bool, got {type(save_for_backward).__name__}")
+    require_cuda("x", x)
+
+    device = x.device
+    out = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+    stats_shape = (tokens, streams) if save_for_backward else (0,)
+    stats = [new_output(torch.empty(stats_shape, dtype=torch.float32, device=device)) for _ in range(4)]
+    results = (out, *stats) if save_for_backward else (out, None, None, None, None)
+    if out.numel() == 0:
+        return results
+    vector = _vector_width(hidden, 8, (x, k, v, w))
+    kernel = gate_fwd_kernel(streams, vector, *gate_schedule(hidden, vector))
+    if compiling_only():
+        return results
+    x_strides, k_strides = _strides_in_vectors(x, vector), _strides_in_vectors(k, vector)
+    kernel(
+        flat_view(x),
+        flat_view(k),
+        flat_view(v),
+        flat_view(w),
+        out.reshape(-1),
+        *stats,
+        tokens,
+        hidden // vector,
+        *x_strides,
+        *k_strides,
+        _strides_in_vectors(v, vector)[0],
+        _strides_in_vectors(w, vector)[0],
+        float(hidden),
+        hidden**-0.5,
+        eps,
+        clamp_value,
+        int(save_for_backward),
+    )
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate backward
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int):
+    """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
+    stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``."""
+    warps = threads // 32
+    # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
+    # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
+    # vector is split in 16-byte pieces, consecutive threads' pieces adjacent (no bank conflicts).
+    exchange_floats = 8 * ceil_div(2 * warps * streams, 8)
+    accumulator_floats = columns_per_thread * streams * threads * vector
+    piece = min(vector, 4)
+    pieces = vector // piece
+
+    def accumulator_offset(i, m, h, tx):
+        return exchange_floats + (((i * streams + m) * pieces + h) * threads + tx) * piece
+
+    go_span = T.dynamic("go_span")
+    x_span = T.dynamic("x_span")
+    k_span = T.dynamic("k_span")
+    v_span = T.dynamic("v_span")
+    w_span = T.dynamic("w_span")
+    stats_span = T.dynamic("stats_span")
+    dx_span = T.dynamic("dx_span")
+    dv_span = T.dynamic("dv_span")
+    dw_span = T.dynamic("dw_span")
+
+    @T.prim_func
+    def kernel(
+        grad_out: T.Tensor((go_span,), "bfloat16"),
+        x: T.Tensor((x_span,), "bfloat16"),
+        k: T.Tensor((k_span,), "bfloat16"),
+        v: T.Tensor((v_span,), "bfloat16"),
+        w: T.Tensor((w_span,), "float32"),
+        dot: T.Tensor((stats_span,), "float32"),
+        gate: T.Tensor((stats_span,), "float32"),
+        rstd_x: T.Tensor((stats_span,), "float32"),
+        rstd_k: T.Tensor((stats_span,), "float32"),
+        dx: T.Tensor((dx_span,), "bfloat16"),
+        dk: T.Tensor((dx_span,), "bfloat16"),
+        dv: T.Tensor((dv_span,), "bfloat16"),
+        dw_partial: T.Tensor((dw_span,), "float32"),
+        num_tokens: T.int32,
+        num_blocks: T.int32,
+        block_tokens: T.int32,
+        hidden_vectors: T.int32,
+        go_token_stride: T.int32,
+        go_stream_stride: T.int32,
+        x_token_stride: T.int32,
+        x_stream_stride: T.int32,
+        k_token_stride: T.int32,
+        k_stream_stride: T.int32,
+        v_token_stride: T.int32,
+        w_stream_stride: T.int32,
+        hidden: T.float32,
+        scale: T.float32,
+        clamp_value: T.float32,
+    ):
+        with T.Kernel(num_blocks, threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            gos = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            xs = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            ks = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            vs = T.alloc_local((columns_per_thread, vector), "bfloat16")
+            ws = T.alloc_local((vector,), "float32")
+            sums = T.alloc_local((streams,), "float32")
+            gates = T.alloc_local((streams,), "float32")
+            betas = T.alloc_local((streams,), "float32")
+            x_coefficients = T.alloc_local((streams,), "float32")
+            k_coefficients = T.alloc_local((streams,), "float32")
+            dv_values = T.alloc_local((vector,), "float32")
+            staged = T.alloc_local((vector,), "float32")
+            shared = T.alloc_shared((exchange_floats + accumulator_floats,), "float32")
+
+            for i in T.unroll(columns_per_thread):
+                for m in T.unroll(streams):
+                    for h in T.unroll(pieces):
+                        for e in T.vectorized(piece):
+                            shared[accumulator_offset(i, m, h, tx) + e] = T.float32(0)
+
+            first = T.min(block * block_tokens, num_tokens)
+            last = T.min(first + block_tokens, num_tokens)
+            for token in T.serial(first, last):
+                go_row = T.cast(token, "int64") * go_token_stride
+                x_row = T.cast(token, "int64") * x_token_stride
+                k_row = T.cast(token, "int64") * k_token_stride
+                v_row = T.cast(token, "int64") * v_token_stride
+                for i in T.unroll(columns_per_thread):
+                    column = i * threads + tx
+                    if column < hidden_vectors:
+                        for e in T.vectorized(vector):
+                            vs[i, e] = v[(v_row + column) * vector + e]
+                        for m in T.unroll(streams):
+                            for e in T.vectorized(vector):
+                                gos[i, m, e] = grad_out[(go_row + m * go_stream_stride + column) * vector + e]
+                            for e in T.vectorized(vector):
+                                xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
+                            for e in T.vectorized(vector):
+                                ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                    else:
+                        for e in T.vectorized(vector):
+                            vs[i, e] = T.cast(0, "bfloat16")
+                        for m in T.unroll(streams):
+                            for e in T.vectorized(vector):
+                                gos[i, m, e] = T.cast(0, "bfloat16")
+                for m in T.unroll(streams):
+                    gates[m] = gate[token * streams + m]
+
+                # dv needs no reduction: store it while the dg partials travel.
+                out_row = T.cast(token, "int64") * streams * hidden_vectors
+                for i in T.unroll(columns_per_thread):
+                    column = i * threads + tx
+                    if column < hidden_vectors:
+                        for e in T.unroll(vector):
+                            dv_values[e] = gates[0] * _as_float(gos[i, 0, e])
+                            for m in T.unroll(1, streams):
+                                dv_values[e] = dv_values[e] + gates[m] * _as_float(gos[i, m, e])
+                        for e in T.vectorized(vector):
+                            dv[(T.cast(token, "int64") * hidden_vectors + column) * vector + e] = T.cast(
+                                dv_values[e], "bfloat16"
+                            )
+
+                for m in T.unroll(streams):
+                    sums[m] = T.float32(0)
+                for i in T.unroll(columns_per_thread):
+                    for m in T.unroll(streams):
+                        for e in T.unroll(vector):
+                            sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
+                cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
+
+                for m in T.unroll(streams):
+                    dot_value = dot[token * streams + m]
+                    norms = rstd_x[token * streams + m] * rstd_k[token * streams + m] * scale  # ∂s/∂dot
+                    # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
+                    # divides by 1 instead (as the reference's safe_dot).
+                    clamped = T.abs(dot_value) * norms < clamp_value
+                    safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                    slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
+                    betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+                    rx = rstd_x[token * streams + m]
+                    rk = rstd_k[token * streams + m]
+                    x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                    k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+
+                for i in T.unroll(columns_per_thread):
+                    column = i * threads + tx
+                    if column < hidden_vectors:
+                        for m in T.unroll(streams):
+                            for e in T.vectorized(vector):
+                                ws[e] = w[(m * w_stream_stride + column) * vector + e]
+                            dx_offset = (out_row + m * hidden_vectors + column) * vector
+                            for e in T.vectorized(vector):
+                                dx[dx_offset + e] = T.cast(
+                                    _as_float(gos[i, m, e])
+                                    + betas[m]
+                                    * (ws[e] * _as_float(ks[i, m, e]) - x_coefficients[m] * _as_float(xs[i, m, e])),
+                                    "bfloat16",
+                                )
+                            for e in T.vectorized(vector):
+                                dk[dx_offset + e] = T.cast(
+                                    betas[m]
+                                    * (ws[e] * _as_float(xs[i, m, e]) - k_coefficients[m] * _as_float(ks[i, m, e])),
+                                    "bfloat16",
+                                )
+                            # Staged through registers: 16-byte shared accesses (and TileLang
+                            # drops the load of a one-element vectorized read-modify-write).
+                            for h in T.unroll(pieces):
+                                for e in T.vectorized(piece):
+                                    staged[h * piece + e] = shared[accumulator_offset(i, m, h, tx) + e]
+                            for e in T.unroll(vector):
+                                staged[e] = staged[e] + betas[m] * _as_float(xs[i, m, e]) * _as_float(ks[i, m, e])
+                            for h in T.unroll(pieces):
+                                for e in T.vectorized(piece):
+                                    shared[accumulator_offset(i, m, h, tx) + e] = staged[h * piece + e]
+
+            dw_row = T.cast(block, "int64") * streams * hidden_vectors
+            for i in T.unroll(columns_per_thread):
+                column = i * threads + tx
+                if column < hidden_vectors:
+                    for m in T.unroll(streams):
+                        for h in T.unroll(pieces):
+                            for e in T.vectorized(piece):
+                                dw_partial[(dw_row + m * hidden_vectors + column) * vector + h * piece + e] = shared[
+                                    accumulator_offset(i, m, h, tx) + e
+                                ]
+
+    return kernel
+
+
+def engram_gate_bwd(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    dot: torch.Tensor,
+    gate: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+    clamp_value: float,
+    *,
+    num_partials: int = 1,
+):
+    """Explicit backward of ``engram_gate_fwd``; same contract as
+    ``tileproof.reference.engram.engram_gate_bwd`` (block ``p`` of ``dw_partial`` owns tokens
+    ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds."""
+    tokens, streams, hidden = _check_gate_inputs(x, k, v, w)
+    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
+    _check_shape("grad_out", grad_out, (tokens, streams, hidden))
+    _check_unit_last_stride("grad_out", grad_out)
+    for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
+        check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
+        _check_shape(name, value, (tokens, streams))
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
+    if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
+        raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
+    require_cuda("x", x)
+
+    device = x.device
+    dx = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+    dk = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+    dv = new_output(torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
+    dw_partial = new_output(torch.empty((num_partials, streams, hidden), dtype=torch.float32, device=device))
+    if dw_partial.numel() == 0:
+        return dx, dk, dv, dw_partial
+    # With no token every block is empty: the kernel still runs, to write the zeros.
+    vector = _vector_width(hidden, 8, (grad_out, x, k, v, w))
+    kernel = gate_bwd_kernel(streams, vector, *gate_schedule(hidden, vector))
+    if compiling_only():
+        return dx, dk, dv, dw_partial
+    kernel(
+        flat_view(grad_out),
+        flat_view(x),
+        flat_view(k),
+        flat_view(v),
+        flat_view(w),
+        dot.contiguous(),
+        gate.contiguous(),
+        rstd_x.contiguous(),
+        rstd_k.contiguous(),
+        dx.reshape(-1),
+        dk.reshape(-1),
+        dv.reshape(-1),
+        dw_partial.reshape(-1),
+        tokens,
+        num_partials,
+        ceil_div(tokens, num_partials),
+        hidden // vector,
+        *_strides_in_vectors(grad_out, vector),
+        *_strides_in_vectors(x, vector),
+        *_strides_in_vectors(k, vector),
+        _strides_in_vectors(v, vector)[0],
+        _strides_in_vectors(w, vector)[0],
+        float(hidden),
+        hidden**-0.5,
+        clamp_value,
+    )
+    return dx, dk, dv, dw_partial
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight-gradient reduction
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def grad_w_reduce_kernel(vector: int, warps: int = REDUCE_WARPS, unroll: int = REDUCE_UNROLL):
+    """Factory over the vector width (fp32 elements); P, n, D and every row stride (in vectors)
+    are runtime values. Grid: ``(ceil(D / (32·vector)), n)``; warp ``w`` sums the partials
+    ``p ≡ w (mod warps)``, ``unroll`` loads in flight at a time."""
+    threads = 32 * warps
+
+    dw_span = T.dynamic("dw_span")
+    wh_span = T.dynamic("wh_span")
+    we_span = T.dynamic("we_span")
+    grad_wh_span = T.dynamic("grad_wh_span")
+    grad_we_span = T.dynamic("grad_we_span")
+
+    @T.prim_func
+    def kernel(
+        dw_partial: T.Tensor((dw_span,), "float32"),
+        wh: T.Tensor((wh_span,), "bfloat16"),
+        we: T.Tensor((we_span,), "bfloat16"),
+        grad_wh: T.Tensor((grad_wh_span,), "float32"),
+        grad_we: T.Tensor((grad_we_span,), "float32"),
+        num_partials: T.int32,
+        num_streams: T.int32,
+        hidden_vectors: T.int32,
+        dw_partial_stride: T.int32,
+        dw_stream_stride: T.int32,
+        wh_stream_stride: T.int32,
+        we_stream_stride: T.int32,
+        grad_wh_stream_stride: T.int32,
+        grad_we_stream_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(hidden_vectors, 32), num_streams, threads=threads) as (part, stream):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            column = part * 32 + lane
+            loaded = T.alloc_local((unroll, vector), "float32")
+            total = T.alloc_local((vector,), "float32")
+            gain_h = T.alloc_local((vector,), "bfloat16")
+            gain_e = T.alloc_local((vector,), "bfloat16")
+            accumulated_h = T.alloc_local((vector,), "float32")
+            accumulated_e = T.alloc_local((vector,), "float32")
+            exchange = T.alloc_shared((threads * vector,), "float32")
+
+            for e in T.unroll(vector):
+                total[e] = T.float32(0)
+            if column < hidden_vectors:
+                for batch in T.serial(T.ceildiv(num_partials, warps * unroll)):
+                    for u in T.unroll(unroll):
+                        partial = (batch * unroll + u) * warps + warp
+                        if partial < num_partials:
+                            offset = T.cast(partial, "int64") * dw_partial_stride + stream * dw_stream_stride + column
+                            for e in T.vectorized(vector):
+                                loaded[u, e] = dw_partial[offset * vector + e]
+                        else:
+                            for e in T.vectorized(vector):
+                                loaded[u, e] = T.float32(0)
+                    for u in T.unroll(unroll):
+                        for e in T.unroll(vector):
+                            total[e] = total[e] + loaded[u, e]
+            for e in T.vectorized(vector):
+                exchange[tx * vector + e] = total[e]
+            T.sync_threads()
+
+            if warp == 0 and column < hidden_vectors:
+                for e in T.unroll(vector):
+                    total[e] = exchange[lane * vector + e]
+                    for w in T.unroll(1, warps):
+                        total[e] = total[e] + exchange[(w * 32 + lane) * vector + e]
+                for e in T.vectorized(vector):
+                    gain_h[e] = wh[(stream * wh_stream_stride + column) * vector + e]
+                for e in T.vectorized(vector):
+                    gain_e[e] = we[(stream * we_stream_stride + column) * vector + e]
+                for e in T.vectorized(vector):
+                    accumulated_h[e] = grad_wh[(stream * grad_wh_stream_stride + column) * vector + e]
+                for e in T.vectorized(vector):
+                    accumulated_e[e] = grad_we[(stream * grad_we_stream_stride + column) * vector + e]
+                # w = wh ⊙ we: the chain rule gives each gain the other one as its factor.
+                for e in T.vectorized(vector):
+                    grad_wh[(stream * grad_wh_stream_stride + column) * vector + e] = accumulated_h[e] + total[
+                        e
+                    ] * _as_float(gain_e[e])
+                for e in T.vectorized(vector):
+                    grad_we[(stream * grad_we_stream_stride + column) * vector + e] = accumulated_e[e] + total[
+                        e
+                    ] * _as_float(gain_h[e])
+
+    return kernel
+
+
+def grad_w_reduce(
+    dw_partial: torch.Tensor,
+    wh: torch.Tensor,
+    we: torch.Tensor,
+    grad_wh: torch.Tensor,
+    grad_we: torch.Tensor,
+) -> None:
+    """``G = Σ_p dw_partial[p]``, then ``grad_wh += G ⊙ we`` and ``grad_we += G ⊙ wh`` in place;
+    same contract as ``tileproof.reference.engram.grad_w_reduce`` (any P, P = 0 included), within
+    the oracle's bound. Every tensor needs unit stride along D."""
+    check_tensor("dw_partial", dw_partial, dtypes=(torch.float32,), ndim=3)
+    check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
+    streams, hidden = wh.shape
+    _check_shape("dw_partial", dw_partial, (dw_partial.shape[0], streams, hidden))
+    check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
+    _check_shape("we", we, (streams, hidden))
+    for name, value in (("grad_wh", grad_wh), ("grad_we", grad_we)):
+        check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
+        _check_shape(name, value, (streams, hidden))
+    for name, value in (("dw_partial", dw_partial), ("wh", wh), ("we", we), ("grad_wh", grad_wh), ("grad_we", grad_we)):
+        _check_unit_last_stride(name, value)
+    require_cuda("grad_wh", grad_wh)
+
+    num_partials = dw_partial.shape[0]
+    if num_partials == 0 or grad_wh.numel() == 0:
+        return  # G = 0: nothing is added
+    tensors = (dw_partial, wh, we, grad_wh, grad_we)
+    if all(streams == 1 or t.stride(-2) == hidden for t in tensors):
+        # Rows back to back: the op is elementwise over [n, D], so one row of n·D elements (n = 4
+        # makes it a multiple of 4: 16-byte vectors at any D).
+        dw_partial, wh, we, grad_wh, grad_we = (
+            t.as_strided((*t.shape[:-2], 1, streams * hidden), (*t.stride()[:-2], streams * hidden, 1)) for t in tensors
+        )
+        streams, hidden = 1, streams * hidden
+    vector = _vector_width(hidden, 4, (dw_partial, wh, we, grad_wh, grad_we))
+    kernel = grad_w_reduce_kernel(vector)
+    if compiling_only():
+        return
+    kernel(
+        flat_view(dw_partial),
+        flat_view(wh),
+        flat_view(we),
+        flat_view(grad_wh),
+        flat_view(grad_we),
+        num_partials,
+        streams,
+        hidden // vector,
+        *_strides_in_vectors(dw_partial, vector),
+        *_strides_in_vectors(wh, vector),
+        *_strides_in_vectors(we, vector),
+        *_strides_in_vectors(grad_wh, vector),
+        *_strides_in_vectors(grad_we, vector),
+    )
