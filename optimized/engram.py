@@ -41,8 +41,8 @@ parameter tables are made contiguous first (a no-op for the usual layouts).
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_tensor
-from tileproof.reference.engram import _check_gate_inputs, _check_shape, _check_unit_last_stride
+from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
+from tileproof.reference.engram import check_gate_inputs, check_unit_last_stride
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 
@@ -186,9 +186,9 @@ def engram_hash(
     layers, _, tables = vocab_sizes.shape
     if max_ngram < 2:
         raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
-    _check_shape("multipliers", multipliers, (layers, max_ngram))
-    _check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
-    _check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
+    check_shape("multipliers", multipliers, (layers, max_ngram))
+    check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
+    check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
     if not compiling_only():  # a compile-only pass gets uninitialized inputs
         _check_hash_values(ngram_token_ids, vocab_sizes, offsets)
     require_cuda("ngram_token_ids", ngram_token_ids)
@@ -264,9 +264,9 @@ def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
     for bit (the product of two bf16 values is exact). The gains need unit stride along D."""
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
-    _check_shape("we", we, tuple(wh.shape))
-    _check_unit_last_stride("wh", wh)
-    _check_unit_last_stride("we", we)
+    check_shape("we", we, tuple(wh.shape))
+    check_unit_last_stride("wh", wh)
+    check_unit_last_stride("we", we)
     require_cuda("wh", wh)
     streams, hidden = wh.shape
     w = new_output(torch.empty((streams, hidden), dtype=torch.float32, device=wh.device))
@@ -457,7 +457,7 @@ def engram_gate_fwd(
     """Gate the shared value into every stream; same contract as
     ``tileproof.reference.engram.engram_gate_fwd`` (k and v may be strided views, e.g. of one fused
     projection output), within the oracle's bounds: the sums over D run in another order."""
-    tokens, streams, hidden = _check_gate_inputs(x, k, v, w)
+    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
     eps = check_nonnegative_float("eps", eps, allow_zero=True)
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if not isinstance(save_for_backward, bool):
@@ -710,13 +710,13 @@ def engram_gate_bwd(
     """Explicit backward of ``engram_gate_fwd``; same contract as
     ``tileproof.reference.engram.engram_gate_bwd`` (block ``p`` of ``dw_partial`` owns tokens
     ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds."""
-    tokens, streams, hidden = _check_gate_inputs(x, k, v, w)
+    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
     check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
-    _check_shape("grad_out", grad_out, (tokens, streams, hidden))
-    _check_unit_last_stride("grad_out", grad_out)
+    check_shape("grad_out", grad_out, (tokens, streams, hidden))
+    check_unit_last_stride("grad_out", grad_out)
     for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        _check_shape(name, value, (tokens, streams))
+        check_shape(name, value, (tokens, streams))
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
         raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
@@ -871,14 +871,14 @@ def grad_w_reduce(
     check_tensor("dw_partial", dw_partial, dtypes=(torch.float32,), ndim=3)
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     streams, hidden = wh.shape
-    _check_shape("dw_partial", dw_partial, (dw_partial.shape[0], streams, hidden))
+    check_shape("dw_partial", dw_partial, (dw_partial.shape[0], streams, hidden))
     check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
-    _check_shape("we", we, (streams, hidden))
+    check_shape("we", we, (streams, hidden))
     for name, value in (("grad_wh", grad_wh), ("grad_we", grad_we)):
         check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        _check_shape(name, value, (streams, hidden))
+        check_shape(name, value, (streams, hidden))
     for name, value in (("dw_partial", dw_partial), ("wh", wh), ("we", we), ("grad_wh", grad_wh), ("grad_we", grad_we)):
-        _check_unit_last_stride(name, value)
+        check_unit_last_stride(name, value)
     require_cuda("grad_wh", grad_wh)
 
     num_partials = dw_partial.shape[0]

@@ -35,15 +35,19 @@ Kernel design:
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_tensor
+from tileproof.reference.contract import (
+    ceil_div,
+    check_nonnegative_float,
+    check_positive_int,
+    check_shape,
+    check_tensor,
+)
 from tileproof.reference.mhc import (
-    _check_head_inputs,
-    _check_positive_int,
-    _check_post_inputs,
-    _check_residual,
-    _check_shape,
-    _check_split_inputs,
-    _check_square,
+    check_head_inputs,
+    check_post_inputs,
+    check_residual,
+    check_split_inputs,
+    check_square,
 )
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
@@ -351,8 +355,8 @@ def _matrix_vector(*tensors) -> int:
 
 def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
     """Project the comb logits onto (approximately) doubly stochastic matrices (see the reference)."""
-    n = _check_square("comb_res_mix", comb_res_mix)
-    repeat = _check_positive_int("repeat", repeat)
+    n = check_square("comb_res_mix", comb_res_mix)
+    repeat = check_positive_int("repeat", repeat)
     eps = check_nonnegative_float("eps", eps)
     require_cuda("comb_res_mix", comb_res_mix)
     tokens = comb_res_mix.shape[0]
@@ -371,10 +375,10 @@ def sinkhorn_normalize_bwd(
     grad_output: torch.Tensor, comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6
 ) -> torch.Tensor:
     """Gradient of ``sinkhorn_normalize`` w.r.t. its logits, recomputing the iterations on chip."""
-    n = _check_square("comb_res_mix", comb_res_mix)
+    n = check_square("comb_res_mix", comb_res_mix)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
-    _check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
-    repeat = _check_positive_int("repeat", repeat)
+    check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
+    repeat = check_positive_int("repeat", repeat)
     eps = check_nonnegative_float("eps", eps)
     require_cuda("comb_res_mix", comb_res_mix)
     require_cuda("grad_output", grad_output)
@@ -860,9 +864,9 @@ def expand_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: int =
 
 def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """Mix the n streams into the sublayer input: bf16 ``[T, C]`` ``Σ_i mix_i·X[i]`` (fp32, rounded once)."""
-    tokens, n, hidden = _check_residual("x", x)
+    tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
-    _check_shape("mix", mix, (tokens, n))
+    check_shape("mix", mix, (tokens, n))
     require_cuda("x", x)
     require_cuda("mix", mix)
     out = new_output(torch.empty((tokens, hidden), dtype=BF16, device=x.device))
@@ -886,11 +890,11 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
 
 def mhc_pre_apply_mix_bwd(grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor):
     """Explicit backward of ``mhc_pre_apply_mix``: ``(dx bf16 [T, n, C], dmix fp32 [T, n])``."""
-    tokens, n, hidden = _check_residual("x", x)
+    tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
-    _check_shape("mix", mix, (tokens, n))
+    check_shape("mix", mix, (tokens, n))
     check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=2)
-    _check_shape("grad_output", grad_output, (tokens, hidden))
+    check_shape("grad_output", grad_output, (tokens, hidden))
     for name, tensor in (("grad_output", grad_output), ("x", x), ("mix", mix)):
         require_cuda(name, tensor)
     d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=x.device))
@@ -923,7 +927,7 @@ def mhc_post(
 ) -> torch.Tensor:
     """Write the sublayer output back into the streams and mix the residual: bf16 ``[T, n, C]``
     ``post_o·y + Σ_i comb[i, o]·X[i]`` (fp32, rounded once)."""
-    tokens, n, hidden = _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
     for name, tensor in (("x", x), ("residual", residual), ("post_layer_mix", post_layer_mix)):
         require_cuda(name, tensor)
     require_cuda("comb_res_mix", comb_res_mix)
@@ -959,9 +963,9 @@ def mhc_post_bwd(
 ):
     """Explicit backward of ``mhc_post``: ``(dx bf16 [T, C], dresidual bf16 [T, n, C], dpost fp32
     [T, n], dcomb fp32 [T, n, n])``."""
-    tokens, n, hidden = _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
     check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
-    _check_shape("grad_output", grad_output, (tokens, n, hidden))
+    check_shape("grad_output", grad_output, (tokens, n, hidden))
     for name, tensor in (("grad_output", grad_output), ("x", x), ("residual", residual)):
         require_cuda(name, tensor)
     require_cuda("post_layer_mix", post_layer_mix)
@@ -1003,7 +1007,7 @@ def mhc_post_bwd(
 def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int) -> torch.Tensor:
     """Copy the hidden state into every stream: bf16 ``[T, C] → [T, n, C]`` contiguous (exact)."""
     check_tensor("hidden", hidden, dtypes=(BF16,), ndim=2)
-    n = _check_positive_int("mhc_mult", mhc_mult)
+    n = check_positive_int("mhc_mult", mhc_mult)
     require_cuda("hidden", hidden)
     tokens, width = hidden.shape
     out = new_output(torch.empty((tokens, n, width), dtype=BF16, device=hidden.device))
@@ -1247,7 +1251,7 @@ def mhc_pre_split_mixes(
     mhc_pre_eps: float,
 ):
     """Split the normed mixes into ``(pre [T, n], post [T, n], comb logits [T, n, n])`` (fp32, contiguous)."""
-    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
     pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     for name, tensor in (("input_mixes", input_mixes), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
@@ -1326,7 +1330,7 @@ def mhc_pre_split_mixes_bwd(
     mhc_post_mult_value: float,
 ):
     """Explicit backward of ``mhc_pre_split_mixes``: ``(dmixes [T, n² + 2n], dscale [3], dbase [n² + 2n])``."""
-    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     tokens = input_mixes.shape[0]
     for name, value, shape in (
         ("grad_pre", grad_pre, (tokens, n)),
@@ -1334,7 +1338,7 @@ def mhc_pre_split_mixes_bwd(
         ("grad_comb", grad_comb, (tokens, n, n)),
     ):
         check_tensor(name, value, dtypes=(F32,), ndim=len(shape))
-        _check_shape(name, value, shape)
+        check_shape(name, value, shape)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
     for name, tensor in (("grad_pre", grad_pre), ("grad_post", grad_post), ("grad_comb", grad_comb)):
         require_cuda(name, tensor)
@@ -1348,7 +1352,7 @@ def mhc_head_compute_mix(
     input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor, mhc_pre_eps: float
 ) -> torch.Tensor:
     """Head weights before the LM head: fp32 ``[T, n]`` ``σ(s·m + b) + pre_eps`` (``split_kernel``'s pre group)."""
-    tokens, n = _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
     pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     for name, tensor in (("input_mix", input_mix), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
         require_cuda(name, tensor)
@@ -1378,9 +1382,9 @@ def mhc_head_compute_mix_bwd(
     grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
 ):
     """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
-    tokens, n = _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
-    _check_shape("grad_output", grad_output, (tokens, n))
+    check_shape("grad_output", grad_output, (tokens, n))
     for name, tensor in (("grad_output", grad_output), ("input_mix", input_mix), ("mhc_scale", mhc_scale)):
         require_cuda(name, tensor)
     require_cuda("mhc_base", mhc_base)

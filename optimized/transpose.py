@@ -43,7 +43,7 @@ elements make one 16-byte *chunk*.
 import tilelang.language as T
 import torch
 
-from tileproof.reference.transpose import _check_transpose_input
+from tileproof.reference.transpose import check_transpose_input
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 
@@ -360,7 +360,7 @@ def batched_transpose(x: torch.Tensor) -> torch.Tensor:
     """Swap the last two dimensions of a batch of matrices: ``out[b, j, i] = x[b, i, j]``; same
     contract as ``tileproof.reference.transpose.batched_transpose`` (any dtype, 16-byte complex128
     included; tails; row stride > N; free batch stride), bit for bit."""
-    _check_transpose_input("x", x, 3)
+    check_transpose_input("x", x, 3)
     require_cuda("x", x)
     batches, rows, cols = x.shape
     out = new_output(torch.empty((batches, cols, rows), dtype=x.dtype, device=x.device))
@@ -371,5 +371,5 @@ def batched_transpose(x: torch.Tensor) -> torch.Tensor:
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """Transpose one matrix: ``out[j, i] = x[i, j]``; same contract as
     ``tileproof.reference.transpose.transpose``, bit for bit (one batch of ``batched_transpose``)."""
-    _check_transpose_input("x", x, 2)
+    check_transpose_input("x", x, 2)
     return batched_transpose(x.unsqueeze(0)).squeeze(0)

@@ -149,6 +149,35 @@ def check_tensor(name: str, value, *, dtypes=None, ndim: int | None = None) -> t
     return value
 
 
+def check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """A Python int (not a bool) with ``low <= value <= high`` where those are given."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_nonnegative_float(name: str, value, *, allow_zero: bool = True) -> float:
     """A finite Python number ``>= 0`` (``> 0`` when ``allow_zero`` is False), returned as float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

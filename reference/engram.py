@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from einops import einsum, rearrange, reduce
 
-from .contract import ceil_div, check_nonnegative_float, check_tensor
+from .contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
 
 __all__ = [
     "engram_hash",
@@ -57,12 +57,7 @@ _INT32_MAX = 2**31 - 1
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(value.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
-
-
-def _check_unit_last_stride(name: str, value: torch.Tensor) -> None:
+def check_unit_last_stride(name: str, value: torch.Tensor) -> None:
     if value.shape[-1] > 1 and value.stride(-1) != 1:
         raise ValueError(
             f"{name} must have unit stride in its last dimension (other strides are free), "
@@ -70,17 +65,17 @@ def _check_unit_last_stride(name: str, value: torch.Tensor) -> None:
         )
 
 
-def _check_gate_inputs(x, k, v, w) -> tuple[int, int, int]:
+def check_gate_inputs(x, k, v, w) -> tuple[int, int, int]:
     check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=3)
     tokens, streams, hidden = x.shape
     check_tensor("k", k, dtypes=(torch.bfloat16,), ndim=3)
-    _check_shape("k", k, (tokens, streams, hidden))
+    check_shape("k", k, (tokens, streams, hidden))
     check_tensor("v", v, dtypes=(torch.bfloat16,), ndim=2)
-    _check_shape("v", v, (tokens, hidden))
+    check_shape("v", v, (tokens, hidden))
     check_tensor("w", w, dtypes=(torch.float32,), ndim=2)
-    _check_shape("w", w, (streams, hidden))
+    check_shape("w", w, (streams, hidden))
     for name, value in (("x", x), ("k", k), ("v", v), ("w", w)):
-        _check_unit_last_stride(name, value)
+        check_unit_last_stride(name, value)
     return tokens, streams, hidden
 
 
@@ -117,9 +112,9 @@ def engram_hash(
     layers, _, tables = vocab_sizes.shape
     if max_ngram < 2:
         raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
-    _check_shape("multipliers", multipliers, (layers, max_ngram))
-    _check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
-    _check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
+    check_shape("multipliers", multipliers, (layers, max_ngram))
+    check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
+    check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
     if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
         raise ValueError(f"vocab_sizes must be positive, got minimum {int(vocab_sizes.min())}")
     if ngram_token_ids.numel() and int(ngram_token_ids.min()) < 0:
@@ -158,7 +153,7 @@ def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
     """
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
-    _check_shape("we", we, tuple(wh.shape))
+    check_shape("we", we, tuple(wh.shape))
     return (wh.to(torch.float32) * we.to(torch.float32)).contiguous()
 
 
@@ -251,7 +246,7 @@ def engram_gate_fwd(
         rounded once to nearest even); ``dot`` (raw ``Σ_d x·w·k``), ``gate``, ``rstd_x``,
         ``rstd_k``: fp32 ``[T, n]`` contiguous.
     """
-    _check_gate_inputs(x, k, v, w)
+    check_gate_inputs(x, k, v, w)
     eps = check_nonnegative_float("eps", eps, allow_zero=True)
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if not isinstance(save_for_backward, bool):
@@ -294,13 +289,13 @@ def engram_gate_bwd(
         ``(dx, dk, dv, dw_partial)``: bf16 ``[T, n, D]``, bf16 ``[T, n, D]``, bf16 ``[T, D]`` (all
         contiguous; fp32 math rounded once) and fp32 ``[P, n, D]`` partial sums of ``β·x⊙k``.
     """
-    tokens, streams, hidden = _check_gate_inputs(x, k, v, w)
+    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
     check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
-    _check_shape("grad_out", grad_out, (tokens, streams, hidden))
-    _check_unit_last_stride("grad_out", grad_out)
+    check_shape("grad_out", grad_out, (tokens, streams, hidden))
+    check_unit_last_stride("grad_out", grad_out)
     for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
         check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        _check_shape(name, value, (tokens, streams))
+        check_shape(name, value, (tokens, streams))
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
         raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
@@ -337,12 +332,12 @@ def grad_w_reduce(
     check_tensor("dw_partial", dw_partial, dtypes=(torch.float32,), ndim=3)
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     streams, hidden = wh.shape
-    _check_shape("dw_partial", dw_partial, (dw_partial.shape[0], streams, hidden))
+    check_shape("dw_partial", dw_partial, (dw_partial.shape[0], streams, hidden))
     check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
-    _check_shape("we", we, (streams, hidden))
+    check_shape("we", we, (streams, hidden))
     for name, value in (("grad_wh", grad_wh), ("grad_we", grad_we)):
         check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        _check_shape(name, value, (streams, hidden))
+        check_shape(name, value, (streams, hidden))
 
     total = reduce(dw_partial, "p m d -> m d", "sum")
     grad_wh.add_(total * we.to(torch.float32))

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from einops import einsum, rearrange, reduce
 
-from .contract import check_nonnegative_float, check_tensor
+from .contract import check_nonnegative_float, check_positive_int, check_shape, check_tensor
 
 __all__ = [
     "sinkhorn_normalize",
@@ -85,20 +85,7 @@ BF16 = torch.bfloat16
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_shape(name: str, value: torch.Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(value.shape) != tuple(expected):
-        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(value.shape)}")
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
-def _check_square(name: str, comb: torch.Tensor) -> int:
+def check_square(name: str, comb: torch.Tensor) -> int:
     check_tensor(name, comb, dtypes=(F32,), ndim=3)
     if comb.shape[1] != comb.shape[2]:
         raise ValueError(f"{name} must be [T, n, n], got shape {tuple(comb.shape)}")
@@ -155,8 +142,8 @@ def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float 
     Returns:
         fp32 ``[T, n, n]`` contiguous; its columns ``Σ_i comb[:, i, o]`` are 1 up to eps.
     """
-    _check_square("comb_res_mix", comb_res_mix)
-    repeat = _check_positive_int("repeat", repeat)
+    check_square("comb_res_mix", comb_res_mix)
+    repeat = check_positive_int("repeat", repeat)
     eps = check_nonnegative_float("eps", eps)
     return sinkhorn_forward_math(comb_res_mix, repeat, eps).contiguous()
 
@@ -174,10 +161,10 @@ def sinkhorn_normalize_bwd(
     Returns:
         fp32 ``[T, n, n]`` contiguous, the gradient of the logits.
     """
-    n = _check_square("comb_res_mix", comb_res_mix)
+    n = check_square("comb_res_mix", comb_res_mix)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
-    _check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
-    repeat = _check_positive_int("repeat", repeat)
+    check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
+    repeat = check_positive_int("repeat", repeat)
     eps = check_nonnegative_float("eps", eps)
     return sinkhorn_backward_math(grad_output, comb_res_mix, repeat, eps).contiguous()
 
@@ -221,14 +208,14 @@ def split_mixes_backward_math(grad_pre, grad_post, grad_comb, mixes, scale, base
     return dmixes, dscale, dbase
 
 
-def _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult) -> int:
-    n = _check_positive_int("mhc_mult", mhc_mult)
+def check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult) -> int:
+    n = check_positive_int("mhc_mult", mhc_mult)
     check_tensor("input_mixes", input_mixes, dtypes=(F32,), ndim=2)
-    _check_shape("input_mixes", input_mixes, (input_mixes.shape[0], n * n + 2 * n))
+    check_shape("input_mixes", input_mixes, (input_mixes.shape[0], n * n + 2 * n))
     check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_scale", mhc_scale, (3,))
+    check_shape("mhc_scale", mhc_scale, (3,))
     check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_base", mhc_base, (n * n + 2 * n,))
+    check_shape("mhc_base", mhc_base, (n * n + 2 * n,))
     return n
 
 
@@ -252,7 +239,7 @@ def mhc_pre_split_mixes(
         ``(pre fp32 [T, n], post fp32 [T, n], comb fp32 [T, n, n])``, contiguous; comb is the
         Sinkhorn input (logits).
     """
-    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
     pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     pre, post, comb = split_mixes_forward_math(input_mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
@@ -275,7 +262,7 @@ def mhc_pre_split_mixes_bwd(
         ``(dmixes fp32 [T, n² + 2n], dscale fp32 [3], dbase fp32 [n² + 2n])``; the parameter
         gradients are summed over tokens.
     """
-    n = _check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     tokens = input_mixes.shape[0]
     for name, value, shape in (
         ("grad_pre", grad_pre, (tokens, n)),
@@ -283,7 +270,7 @@ def mhc_pre_split_mixes_bwd(
         ("grad_comb", grad_comb, (tokens, n, n)),
     ):
         check_tensor(name, value, dtypes=(F32,), ndim=len(shape))
-        _check_shape(name, value, shape)
+        check_shape(name, value, shape)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
     out = split_mixes_backward_math(grad_pre, grad_post, grad_comb, input_mixes, mhc_scale, mhc_base, n, post_mult)
     return tuple(t.contiguous() for t in out)
@@ -320,7 +307,7 @@ def post_backward_math(grad, x, residual, post, comb):
     return d_x, d_residual, d_post, d_comb
 
 
-def _check_residual(name: str, residual) -> tuple[int, int, int]:
+def check_residual(name: str, residual) -> tuple[int, int, int]:
     check_tensor(name, residual, dtypes=(BF16,), ndim=3)
     return tuple(residual.shape)
 
@@ -335,9 +322,9 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     Returns:
         bf16 ``[T, C]`` contiguous: ``Σ_i mix_i · X[i]`` in fp32, rounded once.
     """
-    tokens, n, _ = _check_residual("x", x)
+    tokens, n, _ = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
-    _check_shape("mix", mix, (tokens, n))
+    check_shape("mix", mix, (tokens, n))
     return apply_mix_forward_math(x.to(F32), mix).to(BF16).contiguous()
 
 
@@ -350,23 +337,23 @@ def mhc_pre_apply_mix_bwd(grad_output: torch.Tensor, x: torch.Tensor, mix: torch
     Returns:
         ``(dx bf16 [T, n, C], dmix fp32 [T, n])``, contiguous; fp32 math.
     """
-    tokens, n, hidden = _check_residual("x", x)
+    tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
-    _check_shape("mix", mix, (tokens, n))
+    check_shape("mix", mix, (tokens, n))
     check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=2)
-    _check_shape("grad_output", grad_output, (tokens, hidden))
+    check_shape("grad_output", grad_output, (tokens, hidden))
     d_residual, d_mix = apply_mix_backward_math(grad_output.to(F32), x.to(F32), mix)
     return d_residual.to(BF16).contiguous(), d_mix.contiguous()
 
 
-def _check_post_inputs(x, residual, post_layer_mix, comb_res_mix) -> tuple[int, int, int]:
-    tokens, n, hidden = _check_residual("residual", residual)
+def check_post_inputs(x, residual, post_layer_mix, comb_res_mix) -> tuple[int, int, int]:
+    tokens, n, hidden = check_residual("residual", residual)
     check_tensor("x", x, dtypes=(BF16,), ndim=2)
-    _check_shape("x", x, (tokens, hidden))
+    check_shape("x", x, (tokens, hidden))
     check_tensor("post_layer_mix", post_layer_mix, dtypes=(F32,), ndim=2)
-    _check_shape("post_layer_mix", post_layer_mix, (tokens, n))
+    check_shape("post_layer_mix", post_layer_mix, (tokens, n))
     check_tensor("comb_res_mix", comb_res_mix, dtypes=(F32,), ndim=3)
-    _check_shape("comb_res_mix", comb_res_mix, (tokens, n, n))
+    check_shape("comb_res_mix", comb_res_mix, (tokens, n, n))
     return tokens, n, hidden
 
 
@@ -383,7 +370,7 @@ def mhc_post(
     Returns:
         bf16 ``[T, n, C]`` contiguous: ``post_o·y + Σ_i comb[i, o]·X[i]`` in fp32, rounded once.
     """
-    _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
     return post_forward_math(x.to(F32), residual.to(F32), post_layer_mix, comb_res_mix).to(BF16).contiguous()
 
 
@@ -403,9 +390,9 @@ def mhc_post_bwd(
         ``(dx bf16 [T, C], dresidual bf16 [T, n, C], dpost fp32 [T, n], dcomb fp32 [T, n, n])``,
         contiguous; fp32 math, bf16 outputs rounded once.
     """
-    tokens, n, hidden = _check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
     check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
-    _check_shape("grad_output", grad_output, (tokens, n, hidden))
+    check_shape("grad_output", grad_output, (tokens, n, hidden))
     d_x, d_residual, d_post, d_comb = post_backward_math(
         grad_output.to(F32), x.to(F32), residual.to(F32), post_layer_mix, comb_res_mix
     )
@@ -420,7 +407,7 @@ def mhc_post_bwd(
 def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int) -> torch.Tensor:
     """Copy the hidden state into every stream: bf16 ``[T, C] → [T, n, C]`` contiguous (exact)."""
     check_tensor("hidden", hidden, dtypes=(BF16,), ndim=2)
-    n = _check_positive_int("mhc_mult", mhc_mult)
+    n = check_positive_int("mhc_mult", mhc_mult)
     return rearrange(hidden, "t c -> t 1 c").expand(-1, n, -1).contiguous()
 
 
@@ -447,13 +434,13 @@ def head_mix_backward_math(grad, mix, scale, base):
     return dz * scale, reduce(dz * mix, "t i -> 1", "sum"), reduce(dz, "t i -> i", "sum")
 
 
-def _check_head_inputs(input_mix, mhc_scale, mhc_base) -> tuple[int, int]:
+def check_head_inputs(input_mix, mhc_scale, mhc_base) -> tuple[int, int]:
     check_tensor("input_mix", input_mix, dtypes=(F32,), ndim=2)
     tokens, n = input_mix.shape
     check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_scale", mhc_scale, (1,))
+    check_shape("mhc_scale", mhc_scale, (1,))
     check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_base", mhc_base, (n,))
+    check_shape("mhc_base", mhc_base, (n,))
     return tokens, n
 
 
@@ -465,7 +452,7 @@ def mhc_head_compute_mix(
     Args:
         input_mix: fp32 ``[T, n]`` (the first n normed mixes). mhc_scale: fp32 ``[1]``. mhc_base: fp32 ``[n]``.
     """
-    _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    check_head_inputs(input_mix, mhc_scale, mhc_base)
     pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     return head_mix_forward_math(input_mix, mhc_scale, mhc_base, pre_eps).contiguous()
 
@@ -474,9 +461,9 @@ def mhc_head_compute_mix_bwd(
     grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
 ):
     """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
-    tokens, n = _check_head_inputs(input_mix, mhc_scale, mhc_base)
+    tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
-    _check_shape("grad_output", grad_output, (tokens, n))
+    check_shape("grad_output", grad_output, (tokens, n))
     return tuple(t.contiguous() for t in head_mix_backward_math(grad_output, input_mix, mhc_scale, mhc_base))
 
 
@@ -507,13 +494,13 @@ def norm_fn_backward_math(grad, x, fn, eps: float):
     return d_x, d_fn
 
 
-def _check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]:
-    tokens, n, hidden = _check_residual("residual", residual)
+def check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]:
+    tokens, n, hidden = check_residual("residual", residual)
     check_tensor("mhc_fn", mhc_fn, dtypes=(F32,), ndim=2)
-    _check_shape("mhc_fn", mhc_fn, (mhc_fn.shape[0], n * hidden))
+    check_shape("mhc_fn", mhc_fn, (mhc_fn.shape[0], n * hidden))
     if mhc_norm_weight is not None:
         check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
-        _check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
     return tokens, n, hidden
 
 
@@ -529,7 +516,7 @@ def mhc_pre_norm_fn(
     Returns:
         fp32 ``[T, m]`` contiguous, computed in full fp32 (see the module docstring on TF32).
     """
-    _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
@@ -549,9 +536,9 @@ def mhc_pre_norm_fn_bwd(
         ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC], dnorm_weight fp32 [nC] or None)``. dresidual
         stays fp32: the caller adds it to the post and pre-apply gradients of the same residual.
     """
-    tokens, n, hidden = _check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
-    _check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
+    check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
@@ -609,23 +596,23 @@ def mhc_pre_big_fuse(
         comb_mix is after Sinkhorn, indexed [source, destination]. (TileKernels returns post_mix as
         ``[..., n, 1]``; this twin keeps ``[T, n]``, the shape ``mhc_post`` takes.)
     """
-    tokens, n, hidden = _check_residual("residual", residual)
+    tokens, n, hidden = check_residual("residual", residual)
     m3 = n * n + 2 * n
     check_tensor("fn", fn, dtypes=(F32,), ndim=2)
-    _check_shape("fn", fn, (m3, n * hidden))
+    check_shape("fn", fn, (m3, n * hidden))
     check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_scale", mhc_scale, (3,))
+    check_shape("mhc_scale", mhc_scale, (3,))
     check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
-    _check_shape("mhc_base", mhc_base, (m3,))
+    check_shape("mhc_base", mhc_base, (m3,))
     if mhc_norm_weight is not None:
         check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
-        _check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
     rms_eps = check_nonnegative_float("rms_eps", rms_eps)
     pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
     sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
-    repeat = _check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    _check_positive_int("n_splits", n_splits)
+    repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    check_positive_int("n_splits", n_splits)
 
     mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
     pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
@@ -645,7 +632,7 @@ def _check_tensor_list(name: str, value, length: int | None = None) -> list:
 def _check_list_entries(name: str, tensors: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     for index, value in enumerate(tensors):
         check_tensor(f"{name}[{index}]", value, dtypes=(dtype,), ndim=len(shape))
-        _check_shape(f"{name}[{index}]", value, shape)
+        check_shape(f"{name}[{index}]", value, shape)
 
 
 def mhc_multilayer_recompute(
@@ -680,7 +667,7 @@ def mhc_multilayer_recompute(
     Returns:
         None (the outputs are written into the given buffers, as TileKernels does).
     """
-    tokens, n, hidden = _check_residual("initial_residual", initial_residual)
+    tokens, n, hidden = check_residual("initial_residual", initial_residual)
     pre_mixes = _check_tensor_list("pre_mix_list", pre_mix_list)
     num_layers = len(pre_mixes)
     if num_layers < 1:

@@ -51,8 +51,7 @@ from einops import rearrange
 from torch import nn
 
 from . import engram, mhc
-from .contract import check_nonnegative_float, check_tensor
-from .mhc import _check_positive_int, _check_shape
+from .contract import check_nonnegative_float, check_positive_int, check_shape, check_tensor
 
 __all__ = [
     "engram_gate",
@@ -93,11 +92,11 @@ def _check_streams(name: str, value: torch.Tensor) -> tuple[int, int]:
 
 def _check_parameter(name: str, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     check_tensor(name, value, dtypes=(dtype,), ndim=len(shape))
-    _check_shape(name, value, shape)
+    check_shape(name, value, shape)
 
 
 def _check_mult(mhc_mult, streams: int) -> int:
-    n = _check_positive_int("mhc_mult", mhc_mult)
+    n = check_positive_int("mhc_mult", mhc_mult)
     if n != streams:
         raise ValueError(f"mhc_mult must equal the number of streams residual.shape[-2] = {streams}, got {n}")
     return n
@@ -204,8 +203,8 @@ class EngramGate(nn.Module):
         device=None,
     ):
         super().__init__()
-        _check_positive_int("hc_mult", hc_mult)
-        _check_positive_int("hidden_size", hidden_size)
+        check_positive_int("hc_mult", hc_mult)
+        check_positive_int("hidden_size", hidden_size)
         self.eps = check_nonnegative_float("eps", eps)
         self.clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
         self.weight_hidden = nn.Parameter(torch.ones(hc_mult, hidden_size, dtype=dtype, device=device))
@@ -228,7 +227,7 @@ def expand_from_embedding(x: torch.Tensor, mhc_mult: int = 4) -> torch.Tensor:
     check_tensor("x", x, dtypes=STORAGE_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"x must be [..., C] (at least 1-D), got shape {tuple(x.shape)}")
-    n = _check_positive_int("mhc_mult", mhc_mult)
+    n = check_positive_int("mhc_mult", mhc_mult)
     streams = rearrange(x.to(math_dtype(x.dtype)), "... c -> ... 1 c").expand(*x.shape[:-1], n, x.shape[-1])
     return streams.to(x.dtype).contiguous()
 
@@ -288,13 +287,13 @@ def mhc_pre(
     m3 = n * n + 2 * n
     _check_mult(mhc_mult, n)
     compute = _check_coefficients(residual, fn, scale, base, norm_weight, m3, 3, m3)
-    _check_shape("fn", fn, (m3, n * hidden))
+    check_shape("fn", fn, (m3, n * hidden))
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     post_mult_value = check_nonnegative_float("post_mult_value", post_mult_value)
     pre_eps = check_nonnegative_float("pre_eps", pre_eps)
     sinkhorn_eps = check_nonnegative_float("sinkhorn_eps", sinkhorn_eps)
-    sinkhorn_repeat = _check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    _check_positive_int("n_splits", n_splits)
+    sinkhorn_repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    check_positive_int("n_splits", n_splits)
     lead = residual.shape[:-2]
     streams = residual.reshape(-1, n, hidden)
 
@@ -384,7 +383,7 @@ def mhc_head(
     compute = _check_coefficients(residual, fn, scale, base, norm_weight, n, 1, n)
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     pre_eps = check_nonnegative_float("pre_eps", pre_eps)
-    _check_positive_int("n_splits", n_splits)
+    check_positive_int("n_splits", n_splits)
 
     x = residual.reshape(-1, n, hidden).to(compute)
     mixes = _normed_mixes(x, fn[:n], norm_weight, norm_eps)
@@ -398,7 +397,7 @@ class ExpandFromEmbedding(nn.Module):
 
     def __init__(self, mhc_mult: int = 4):
         super().__init__()
-        self.mhc_mult = _check_positive_int("mhc_mult", mhc_mult)
+        self.mhc_mult = check_positive_int("mhc_mult", mhc_mult)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return expand_from_embedding(x, self.mhc_mult)
@@ -431,8 +430,8 @@ class MHCPre(nn.Module):
         device=None,
     ):
         super().__init__()
-        n = _check_positive_int("mhc_mult", mhc_mult)
-        width = n * _check_positive_int("hidden_size", hidden_size)
+        n = check_positive_int("mhc_mult", mhc_mult)
+        width = n * check_positive_int("hidden_size", hidden_size)
         self.mhc_mult = n
         self.options = dict(
             norm_eps=norm_eps,
@@ -481,8 +480,8 @@ class MHCHead(nn.Module):
         device=None,
     ):
         super().__init__()
-        n = _check_positive_int("mhc_mult", mhc_mult)
-        width = n * _check_positive_int("hidden_size", hidden_size)
+        n = check_positive_int("mhc_mult", mhc_mult)
+        width = n * check_positive_int("hidden_size", hidden_size)
         self.options = dict(norm_eps=norm_eps, mhc_mult=n, pre_eps=pre_eps, n_splits=n_splits)
         self.fn = nn.Parameter(torch.zeros(n, width, dtype=dtype, device=device))
         self.scale = nn.Parameter(torch.full((1,), scale_init, dtype=dtype, device=device))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .contract import check_choice, check_tensor
+from .contract import check_bool, check_choice, check_int, check_tensor
 from .quant import encode_e4m3
 
 __all__ = [
@@ -65,21 +65,11 @@ FP8_FORMATS = ("", "e4m3")
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_int(name: str, value, *, low: int, high: int | None = None) -> int:
-    """``value`` must be an int with ``low <= value`` (and ``value <= high`` when given)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return value
-
-
-def _check_scores(name: str, scores, ndim: int) -> torch.Tensor:
+def check_scores(name: str, scores, ndim: int) -> torch.Tensor:
     return check_tensor(name, scores, dtypes=SCORE_DTYPES, ndim=ndim)
 
 
-def _check_indices(name: str, indices) -> torch.Tensor:
+def check_indices(name: str, indices) -> torch.Tensor:
     return check_tensor(name, indices, dtypes=INDEX_DTYPES, ndim=2)
 
 
@@ -115,8 +105,8 @@ def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
         int64 ``[T, num_topk]``, contiguous: ``out[t, j]`` is the expert of rank ``j`` in row ``t``
         under the stable descending order (ties → smaller index; NaN ranks first).
     """
-    _check_scores("scores", scores, ndim=2)
-    _check_int("num_topk", num_topk, low=1, high=scores.shape[1])
+    check_scores("scores", scores, ndim=2)
+    check_int("num_topk", num_topk, low=1, high=scores.shape[1])
     return _stable_topk(scores, num_topk)
 
 
@@ -136,10 +126,10 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
     Returns:
         int64 ``[T, num_topk_groups]``: group indices, best first, ties → smaller group index.
     """
-    _check_scores("scores", scores, ndim=3)
-    _check_int("num_topk_sum", num_topk_sum, low=1, high=scores.shape[2])
+    check_scores("scores", scores, ndim=3)
+    check_int("num_topk_sum", num_topk_sum, low=1, high=scores.shape[2])
     check_choice("num_topk_sum", num_topk_sum, NUM_TOPK_SUM_CHOICES)
-    _check_int("num_topk_groups", num_topk_groups, low=1, high=scores.shape[1])
+    check_int("num_topk_groups", num_topk_groups, low=1, high=scores.shape[1])
     best_in_group, _ = torch.sort(scores, dim=-1, descending=True, stable=True)
     group_scores = best_in_group[..., 0]
     if num_topk_sum == 2:
@@ -165,7 +155,7 @@ def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     Returns:
         ``(den, normalized)``: fp32 ``[T]`` and fp32 ``[T, k]``.
     """
-    _check_scores("topk_weights", topk_weights, ndim=2)
+    check_scores("topk_weights", topk_weights, ndim=2)
     num_tokens, num_topk = topk_weights.shape
     den = torch.full((num_tokens,), WEIGHT_EPSILON, dtype=torch.float32, device=topk_weights.device)
     for j in range(num_topk):
@@ -185,8 +175,8 @@ def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     Returns:
         int32 ``[num_groups]`` (zeros for ``T = 0``).
     """
-    _check_indices("group_idx", group_idx)
-    _check_int("num_groups", num_groups, low=1)
+    check_indices("group_idx", group_idx)
+    check_int("num_groups", num_groups, low=1)
     _check_index_values("group_idx", group_idx, low=None, high=num_groups)
     valid = group_idx[group_idx >= 0].to(torch.int64)
     return torch.bincount(valid, minlength=num_groups).to(torch.int32)
@@ -208,9 +198,9 @@ def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch
     Returns:
         fp32 ``[E]``.
     """
-    _check_indices("topk_idx", topk_idx)
-    _check_int("num_experts", num_experts, low=1)
-    _check_int("num_aux_topk", num_aux_topk, low=1)
+    check_indices("topk_idx", topk_idx)
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_aux_topk", num_aux_topk, low=1)
     _check_index_values("topk_idx", topk_idx, low=-1, high=num_experts)
     num_tokens = topk_idx.shape[0]
     if num_tokens == 0:
@@ -253,11 +243,11 @@ def mask_indices_by_tp(
     Returns:
         A new tensor, same dtype and shape as ``indices``.
     """
-    _check_indices("indices", indices)
-    _check_int("n", n, low=1)
-    _check_int("num_ep_ranks", num_ep_ranks, low=1)
-    _check_int("num_tp_ranks", num_tp_ranks, low=1)
-    _check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
+    check_indices("indices", indices)
+    check_int("n", n, low=1)
+    check_int("num_ep_ranks", num_ep_ranks, low=1)
+    check_int("num_tp_ranks", num_tp_ranks, low=1)
+    check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
     if n % num_ep_ranks:
         raise ValueError(f"n must be a multiple of num_ep_ranks ({num_ep_ranks}), got {n}")
     _check_index_values("indices", indices, low=None, high=n)
@@ -285,8 +275,8 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     Returns:
         ``group_indices`` itself (TileKernels returns ``None``; the tensor is the same either way).
     """
-    _check_indices("group_indices", group_indices)
-    _check_int("num_groups", num_groups, low=1)
+    check_indices("group_indices", group_indices)
+    check_int("num_groups", num_groups, low=1)
     _check_index_values("group_indices", group_indices, low=None, high=num_groups)
     num_topk = group_indices.shape[1]
     # earlier[t, i, j]: slot j lies before slot i in the row and holds the same group.
@@ -295,12 +285,6 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     repeated = (same & before).any(dim=-1) & (group_indices >= 0)
     group_indices.masked_fill_(repeated, -1)
     return group_indices
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,14 +380,14 @@ def top2_sum_gate(
     Returns:
         ``(topk_idx int64 [T, k + S], topk_weights fp32 [T, k + S])``, contiguous.
     """
-    _check_scores("logits", logits, ndim=2)
-    _check_scores("bias", bias, ndim=1)
+    check_scores("logits", logits, ndim=2)
+    check_scores("bias", bias, ndim=1)
     num_tokens, num_routed = logits.shape
     if bias.shape[0] != num_routed:
         raise ValueError(f"bias must have shape ({num_routed},), got {tuple(bias.shape)}")
-    _check_int("num_topk", num_topk, low=1, high=num_routed)
-    _check_int("num_groups", num_groups, low=0)
-    _check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
+    check_int("num_topk", num_topk, low=1, high=num_routed)
+    check_int("num_groups", num_groups, low=0)
+    check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
     if (num_groups == 0) != (num_topk_groups == 0):
         raise ValueError(f"num_topk_groups must be 0 when num_groups is 0, got {num_topk_groups}")
     if num_groups and num_routed % num_groups:
@@ -411,18 +395,18 @@ def top2_sum_gate(
     grouped = num_groups != num_topk_groups
     if grouped and num_topk > num_topk_groups * (num_routed // num_groups):
         raise ValueError(f"num_topk must be <= the experts of the kept groups, got {num_topk}")
-    _check_bool("use_shared_as_routed", use_shared_as_routed)
+    check_bool("use_shared_as_routed", use_shared_as_routed)
     num_shared = 0
     if use_shared_as_routed:
-        num_shared = _check_int("num_shared_experts", num_shared_experts, low=1, high=2)
+        num_shared = check_int("num_shared_experts", num_shared_experts, low=1, high=2)
         if num_topk % num_shared or num_routed % (num_topk // num_shared):
             raise ValueError(f"num_shared_experts must divide num_topk ({num_topk}) evenly, got {num_shared}")
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-    _check_int("num_ep_ranks", num_ep_ranks, low=1)
-    _check_int("ep_rank", ep_rank, low=0, high=num_ep_ranks - 1)
-    _check_int("num_tp_ranks", num_tp_ranks, low=1)
-    _check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
+    check_int("num_ep_ranks", num_ep_ranks, low=1)
+    check_int("ep_rank", ep_rank, low=0, high=num_ep_ranks - 1)
+    check_int("num_tp_ranks", num_tp_ranks, low=1)
+    check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
     check_choice("scoring_func", scoring_func, SCORING_FUNCS)
     if mask is not None:
         check_tensor("mask", mask, dtypes=(torch.bool,), ndim=1)
@@ -558,11 +542,11 @@ def get_fused_mapping(
         *aligned* size ``size_e``, as in TileKernels), and a Python ``list[int]`` of the ``size_e``
         when the size was computed with a sync, else ``[]``.
     """
-    _check_indices("topk_idx", topk_idx)
-    _check_int("num_experts", num_experts, low=1)
-    _check_int("num_expanded_tokens", num_expanded_tokens, low=0)
-    _check_int("alignment", alignment, low=1)
-    _check_bool("force_no_sync", force_no_sync)
+    check_indices("topk_idx", topk_idx)
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_expanded_tokens", num_expanded_tokens, low=0)
+    check_int("alignment", alignment, low=1)
+    check_bool("force_no_sync", force_no_sync)
     _check_index_values("topk_idx", topk_idx, low=-1, high=num_experts)
     num_tokens, num_topk = topk_idx.shape
     device = topk_idx.device
@@ -614,7 +598,7 @@ def get_fused_mapping(
 
 
 def _check_positions(token_topk_to_pos, num_positions: int) -> torch.Tensor:
-    _check_indices("token_topk_to_pos", token_topk_to_pos)
+    check_indices("token_topk_to_pos", token_topk_to_pos)
     _check_index_values("token_topk_to_pos", token_topk_to_pos, low=-1, high=num_positions)
     return token_topk_to_pos
 
@@ -679,8 +663,8 @@ def expand_to_fused_with_sf(
     check_tensor("x[1]", sf, ndim=2)
     if sf.shape[0] != data.shape[0]:
         raise ValueError(f"x[1] must have {data.shape[0]} rows (x[0]'s), got {sf.shape[0]}")
-    _check_int("num_per_channels", num_per_channels, low=1)
-    _check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+    check_int("num_per_channels", num_per_channels, low=1)
+    check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
     out = expand_to_fused(data, token_topk_to_pos, pos_to_expert)
     num_positions, hidden_sf = pos_to_expert.shape[0], sf.shape[1]
     if use_tma_aligned_col_major_sf:
@@ -692,7 +676,7 @@ def expand_to_fused_with_sf(
     return out, _expand_rows(sf, token_topk_to_pos, out_sf)
 
 
-def _fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``fl32(a · b + c)`` with one rounding (a fused multiply-add), for fp32 tensors.
 
     ``a · b`` is exact in fp64 (24 + 24 <= 53 bits). The fp64 sum is made round-to-odd (TwoSum
@@ -759,7 +743,7 @@ def reduce_fused(
         if x_sf.shape[0] != num_positions:
             raise ValueError(f"x_sf must have shape ({num_positions},), got {tuple(x_sf.shape)}")
     if topk_weights is not None:
-        _check_scores("topk_weights", topk_weights, ndim=2)
+        check_scores("topk_weights", topk_weights, ndim=2)
         if tuple(topk_weights.shape) != (num_tokens, num_topk):
             raise ValueError(f"topk_weights must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
     if sf is not None:
@@ -776,7 +760,7 @@ def reduce_fused(
             scale = topk_weights[:, j]
         if x_sf is not None:
             scale = scale * x_sf[safe]
-        summed = _fma_fp32(x[safe].float(), rearrange(scale, "t -> t 1"), acc)
+        summed = fma_fp32(x[safe].float(), rearrange(scale, "t -> t 1"), acc)
         acc = torch.where(valid, summed, acc)
     if sf is not None:
         acc = acc * sf[0]

@@ -62,6 +62,7 @@ from .contract import (
     ScaleLayout,
     check_cast_format,
     check_choice,
+    check_int,
     check_num_per_tokens,
     check_per_token_blocks,
     check_scale_flags,
@@ -69,7 +70,7 @@ from .contract import (
     check_tensor,
     check_unit_inner_stride,
 )
-from .moe import _fma_fp32
+from .moe import fma_fp32
 from .quant import cast_back, per_token_cast
 from .quant_blocks import per_channel_cast, per_channel_cast_and_transpose
 
@@ -112,7 +113,7 @@ def _one_plus_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``1 + a·b`` rounded once (a fused multiply-add) in fp32; plain arithmetic in float64."""
     one = torch.ones_like(a)
     if a.dtype == torch.float32:
-        return _fma_fp32(a, b, one)
+        return fma_fp32(a, b, one)
     return a * b + one
 
 
@@ -185,12 +186,12 @@ def swiglu_gradients(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_on_device(name: str, value: torch.Tensor, device: torch.device) -> None:
+def check_on_device(name: str, value: torch.Tensor, device: torch.device) -> None:
     if value.device != device and not (value.device.type == device.type == "cuda"):
         raise ValueError(f"{name} must be on {device} (the device of x), got {value.device}")
 
 
-def _check_gate_up(name: str, x: torch.Tensor) -> int:
+def check_gate_up(name: str, x: torch.Tensor) -> int:
     """``x = [g | u]`` must have an even, non-zero number of columns; return H."""
     columns = x.shape[1]
     if columns == 0 or columns % 2:
@@ -200,12 +201,7 @@ def _check_gate_up(name: str, x: torch.Tensor) -> int:
     return columns // 2
 
 
-def _check_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-
-
-def _check_clamp(swiglu_clamp_value) -> float | None:
+def check_clamp(swiglu_clamp_value) -> float | None:
     if swiglu_clamp_value is None:
         return None
     if isinstance(swiglu_clamp_value, bool) or not isinstance(swiglu_clamp_value, (int, float)):
@@ -215,15 +211,15 @@ def _check_clamp(swiglu_clamp_value) -> float | None:
     return float(swiglu_clamp_value)
 
 
-def _check_index_vector(name: str, value, rows: int, device: torch.device) -> torch.Tensor:
+def check_index_vector(name: str, value, rows: int, device: torch.device) -> torch.Tensor:
     check_tensor(name, value, dtypes=INDEX_DTYPES, ndim=1)
     if value.shape[0] != rows:
         raise ValueError(f"{name} must have shape ({rows},) (one entry per row of x), got {tuple(value.shape)}")
-    _check_on_device(name, value, device)
+    check_on_device(name, value, device)
     return value
 
 
-def _check_index_range(name: str, value: torch.Tensor, high: int, meaning: str) -> None:
+def check_index_range(name: str, value: torch.Tensor, high: int, meaning: str) -> None:
     """Every entry in ``[-1, high)``; -1 marks padding."""
     if value.numel() == 0:
         return
@@ -234,9 +230,9 @@ def _check_index_range(name: str, value: torch.Tensor, high: int, meaning: str) 
         )
 
 
-def _check_topk_weights(name: str, value, device: torch.device) -> torch.Tensor:
+def check_topk_weights(name: str, value, device: torch.device) -> torch.Tensor:
     check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-    _check_on_device(name, value, device)
+    check_on_device(name, value, device)
     return value
 
 
@@ -304,8 +300,8 @@ def swiglu_forward_and_per_token_cast(
     spec = check_cast_format(fmt)
     check_tensor("x", x, dtypes=CAST_INPUT_DTYPES, ndim=2)
     check_unit_inner_stride("x", x)
-    rows, hidden = x.shape[0], _check_gate_up("x", x)
-    _check_int("num_per_channels", num_per_channels)
+    rows, hidden = x.shape[0], check_gate_up("x", x)
+    check_int("num_per_channels", num_per_channels)
     if num_per_channels not in (FORWARD_CHANNEL_BLOCK, hidden):
         raise ValueError(
             f"num_per_channels must be {FORWARD_CHANNEL_BLOCK} or the hidden size {hidden}, got {num_per_channels}"
@@ -318,19 +314,19 @@ def swiglu_forward_and_per_token_cast(
             "topk_weights.flatten()[pos_to_token_topk[r]]) or both be None"
         )
     if pos_to_token_topk is not None:
-        _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x.device)
-        _check_topk_weights("topk_weights", topk_weights, x.device)
-        _check_index_range("pos_to_token_topk", pos_to_token_topk, topk_weights.numel(), "flat indices t·k + j")
+        check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x.device)
+        check_topk_weights("topk_weights", topk_weights, x.device)
+        check_index_range("pos_to_token_topk", pos_to_token_topk, topk_weights.numel(), "flat indices t·k + j")
     if pos_to_expert is not None:
-        _check_index_vector("pos_to_expert", pos_to_expert, rows, x.device)
-    clamp_value = _check_clamp(swiglu_clamp_value)
+        check_index_vector("pos_to_expert", pos_to_expert, rows, x.device)
+    clamp_value = check_clamp(swiglu_clamp_value)
     if clamped_count is not None:
         if clamp_value is None:
             raise ValueError("clamped_count counts clamped elements: it needs a swiglu_clamp_value")
         check_tensor("clamped_count", clamped_count, dtypes=(torch.int64,), ndim=1)
         if clamped_count.shape[0] != CLAMP_COUNTERS:
             raise ValueError(f"clamped_count must have shape ({CLAMP_COUNTERS},), got {tuple(clamped_count.shape)}")
-        _check_on_device("clamped_count", clamped_count, x.device)
+        check_on_device("clamped_count", clamped_count, x.device)
 
     values = x.to(torch.float32)
     gate, up = values[:, :hidden], values[:, hidden:]
@@ -400,11 +396,11 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     check_num_per_tokens(num_per_tokens)
     check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
     check_unit_inner_stride("x", x)
-    hidden = _check_gate_up("x", x)
+    hidden = check_gate_up("x", x)
     check_scale_flags(E4M3, round_sf, False)
     if not isinstance(without_transpose, bool):
         raise TypeError(f"without_transpose must be a bool, got {type(without_transpose).__name__}")
-    clamp_value = _check_clamp(swiglu_clamp_value)
+    clamp_value = check_clamp(swiglu_clamp_value)
 
     values = x.to(torch.float32)
     gate, up, *_ = swiglu_clamp(values[:, :hidden], values[:, hidden:], clamp_value)
@@ -478,8 +474,8 @@ def swiglu_backward_and_per_token_cast(
     x_q, x_sf = x
     check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
     check_unit_inner_stride("x[0]", x_q)
-    rows, hidden = x_q.shape[0], _check_gate_up("x[0]", x_q)
-    _check_int("num_per_channels", num_per_channels)
+    rows, hidden = x_q.shape[0], check_gate_up("x[0]", x_q)
+    check_int("num_per_channels", num_per_channels)
     if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
         raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
     if hidden % num_per_channels:
@@ -493,20 +489,20 @@ def swiglu_backward_and_per_token_cast(
     check_unit_inner_stride("grad_out", grad_out)
     if tuple(grad_out.shape) != (rows, hidden):
         raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
-    _check_on_device("grad_out", grad_out, x_q.device)
-    _check_topk_weights("weight", weight, x_q.device)
-    _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
+    check_on_device("grad_out", grad_out, x_q.device)
+    check_topk_weights("weight", weight, x_q.device)
+    check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
     check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
     if token_topk_to_pos.shape != weight.shape:
         raise ValueError(
             f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
         )
-    _check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
-    _check_index_range("pos_to_token_topk", pos_to_token_topk, weight.numel(), "flat indices t·k + j")
-    _check_index_range("token_topk_to_pos", token_topk_to_pos, rows, "rows of x")
+    check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    check_index_range("pos_to_token_topk", pos_to_token_topk, weight.numel(), "flat indices t·k + j")
+    check_index_range("token_topk_to_pos", token_topk_to_pos, rows, "rows of x")
     _check_inverse_mappings(pos_to_token_topk, token_topk_to_pos)
     round_sf = check_scale_flags(E4M3, round_sf, False)
-    clamp_value = _check_clamp(swiglu_clamp_value)
+    clamp_value = check_clamp(swiglu_clamp_value)
 
     values = cast_back((x_q, x_sf), "fp32", (1, num_per_channels))
     gate, up, gate_above, up_above, up_below = swiglu_clamp(values[:, :hidden], values[:, hidden:], clamp_value)

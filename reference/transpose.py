@@ -24,7 +24,7 @@ from .contract import check_tensor
 __all__ = ["transpose", "batched_transpose"]
 
 
-def _check_transpose_input(name: str, x, ndim: int) -> torch.Tensor:
+def check_transpose_input(name: str, x, ndim: int) -> torch.Tensor:
     check_tensor(name, x, ndim=ndim)
     if x.shape[-1] > 1 and x.stride(-1) != 1:
         raise ValueError(
@@ -68,7 +68,7 @@ def batched_transpose(x: torch.Tensor) -> torch.Tensor:
         ``[B, N, M]``, same dtype and device, contiguous (strides ``(N·M, M, 1)``), bitwise equal to
         ``x.transpose(1, 2)``.
     """
-    _check_transpose_input("x", x, 3)
+    check_transpose_input("x", x, 3)
     batches, rows, cols = x.shape
     words = x.element_size() // _word_dtype(x.dtype).itemsize
 
@@ -91,5 +91,5 @@ def transpose(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[N, M]``, same dtype and device, contiguous (strides ``(M, 1)``), bitwise equal to ``x.T``.
     """
-    _check_transpose_input("x", x, 2)
+    check_transpose_input("x", x, 2)
     return batched_transpose(x.unsqueeze(0)).squeeze(0)

@@ -48,15 +48,13 @@ than 8 bytes per element are refused (``TypeError``).
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import align, check_choice, check_tensor
+from tileproof.reference.contract import align, check_bool, check_choice, check_int, check_tensor
 from tileproof.reference.moe import (
     FP8_FORMATS,
     INDEX_DTYPES,
     SCORE_DTYPES,
-    _check_bool,
-    _check_indices,
-    _check_int,
-    _check_scores,
+    check_indices,
+    check_scores,
 )
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
@@ -443,7 +441,7 @@ def _check_expand(x, token_topk_to_pos, pos_to_expert) -> None:
     """The reference's checks, except the values of ``token_topk_to_pos`` (module docstring)."""
     check_tensor("x", x, ndim=2)
     check_tensor("pos_to_expert", pos_to_expert, dtypes=INDEX_DTYPES, ndim=1)
-    _check_indices("token_topk_to_pos", token_topk_to_pos)
+    check_indices("token_topk_to_pos", token_topk_to_pos)
     if token_topk_to_pos.shape[0] != x.shape[0]:
         raise ValueError(f"token_topk_to_pos must have {x.shape[0]} rows (x's), got {token_topk_to_pos.shape[0]}")
 
@@ -578,8 +576,8 @@ def expand_to_fused_with_sf(
     check_tensor("x[1]", sf, ndim=2)
     if sf.shape[0] != data.shape[0]:
         raise ValueError(f"x[1] must have {data.shape[0]} rows (x[0]'s), got {sf.shape[0]}")
-    _check_int("num_per_channels", num_per_channels, low=1)
-    _check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+    check_int("num_per_channels", num_per_channels, low=1)
+    check_bool("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
     _check_expand(data, token_topk_to_pos, pos_to_expert)
     require_cuda("x[0]", data)
     require_cuda("x[1]", sf)
@@ -613,14 +611,14 @@ def reduce_fused(
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
     check_choice("fp8_format", fp8_format, FP8_FORMATS)
     num_positions = x.shape[0]
-    _check_indices("token_topk_to_pos", token_topk_to_pos)
+    check_indices("token_topk_to_pos", token_topk_to_pos)
     num_tokens, num_topk = token_topk_to_pos.shape
     if x_sf is not None:
         check_tensor("x_sf", x_sf, dtypes=SCORE_DTYPES, ndim=1)
         if x_sf.shape[0] != num_positions:
             raise ValueError(f"x_sf must have shape ({num_positions},), got {tuple(x_sf.shape)}")
     if topk_weights is not None:
-        _check_scores("topk_weights", topk_weights, ndim=2)
+        check_scores("topk_weights", topk_weights, ndim=2)
         if tuple(topk_weights.shape) != (num_tokens, num_topk):
             raise ValueError(f"topk_weights must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
     if sf is not None:

@@ -50,14 +50,12 @@ import struct
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import ceil_div
+from tileproof.reference.contract import ceil_div, check_bool, check_int
 from tileproof.reference.moe import (
     MAPPING_DTYPE,
     WEIGHT_EPSILON,
-    _check_bool,
-    _check_indices,
-    _check_int,
-    _check_scores,
+    check_indices,
+    check_scores,
 )
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
@@ -167,7 +165,7 @@ def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """Divide each token's top-k weights by their sum (``tileproof.reference.moe.normalize_weight``,
     bit for bit): ``den`` fp32 ``[T]`` and the normalized weights fp32 ``[T, k]`` in the layout of
     an elementwise result (``torch.empty_like``: a dense input's strides, else contiguous)."""
-    _check_scores("topk_weights", topk_weights, ndim=2)
+    check_scores("topk_weights", topk_weights, ndim=2)
     require_cuda("topk_weights", topk_weights)
     num_tokens, num_topk = topk_weights.shape
     device = topk_weights.device
@@ -427,8 +425,8 @@ INT64_MIN = -(2**63)
 def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     """Histogram of group indices, int32 ``[num_groups]`` (``tileproof.reference.moe.group_count``);
     negative entries are padding, entries ``>= num_groups`` device-assert."""
-    _check_indices("group_idx", group_idx)
-    _check_int("num_groups", num_groups, low=1)
+    check_indices("group_idx", group_idx)
+    check_int("num_groups", num_groups, low=1)
     require_cuda("group_idx", group_idx)
     out = new_output(torch.empty(num_groups, dtype=torch.int32, device=group_idx.device))
     placeholder = torch.empty(0, dtype=torch.float32, device=group_idx.device)
@@ -440,9 +438,9 @@ def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch
     """The load-balance frequency ``f_e = fl32(fp32(count_e · E) / fp32(T · num_aux_topk))``, fp32
     ``[E]``, zeros for ``T = 0`` (``tileproof.reference.moe.aux_fi``, bit for bit); entries outside
     ``[-1, E)`` device-assert."""
-    _check_indices("topk_idx", topk_idx)
-    _check_int("num_experts", num_experts, low=1)
-    _check_int("num_aux_topk", num_aux_topk, low=1)
+    check_indices("topk_idx", topk_idx)
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_aux_topk", num_aux_topk, low=1)
     require_cuda("topk_idx", topk_idx)
     out = new_output(torch.empty(num_experts, dtype=torch.float32, device=topk_idx.device))
     placeholder = torch.empty(0, dtype=torch.int32, device=topk_idx.device)
@@ -522,11 +520,11 @@ def mask_indices_by_tp(
     """Keep the experts of tensor-parallel rank ``tp_rank``, renumbered locally; everything else -1
     (``tileproof.reference.moe.mask_indices_by_tp``). A new tensor, same dtype and shape (and the
     layout ``torch.empty_like`` gives); entries ``>= n`` device-assert."""
-    _check_indices("indices", indices)
-    _check_int("n", n, low=1)
-    _check_int("num_ep_ranks", num_ep_ranks, low=1)
-    _check_int("num_tp_ranks", num_tp_ranks, low=1)
-    _check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
+    check_indices("indices", indices)
+    check_int("n", n, low=1)
+    check_int("num_ep_ranks", num_ep_ranks, low=1)
+    check_int("num_tp_ranks", num_tp_ranks, low=1)
+    check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
     if n % num_ep_ranks:
         raise ValueError(f"n must be a multiple of num_ep_ranks ({num_ep_ranks}), got {n}")
     require_cuda("indices", indices)
@@ -606,8 +604,8 @@ def inplace_unique_group_indices(group_indices: torch.Tensor, num_groups: int) -
     """Per row, every repeat of a group index after its first occurrence becomes -1, in place
     (``tileproof.reference.moe.inplace_unique_group_indices``); returns ``group_indices``. Entries
     ``>= num_groups`` device-assert."""
-    _check_indices("group_indices", group_indices)
-    _check_int("num_groups", num_groups, low=1)
+    check_indices("group_indices", group_indices)
+    check_int("num_groups", num_groups, low=1)
     require_cuda("group_indices", group_indices)
     num_tokens, num_topk = group_indices.shape
     if group_indices.numel() == 0:
@@ -833,11 +831,11 @@ def get_fused_mapping(
     positive ``num_expanded_tokens`` below the aligned total, device-assert instead of raising
     ``ValueError`` (the reference's checks need the values on the host).
     """
-    _check_indices("topk_idx", topk_idx)
-    _check_int("num_experts", num_experts, low=1)
-    _check_int("num_expanded_tokens", num_expanded_tokens, low=0)
-    _check_int("alignment", alignment, low=1)
-    _check_bool("force_no_sync", force_no_sync)
+    check_indices("topk_idx", topk_idx)
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_expanded_tokens", num_expanded_tokens, low=0)
+    check_int("alignment", alignment, low=1)
+    check_bool("force_no_sync", force_no_sync)
     require_cuda("topk_idx", topk_idx)
     num_tokens, num_topk = topk_idx.shape
     num_slots = num_tokens * num_topk

@@ -49,16 +49,14 @@ announces.
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import ceil_div, check_choice, check_tensor
+from tileproof.reference.contract import ceil_div, check_bool, check_choice, check_int, check_tensor
 from tileproof.reference.moe import (
     NUM_TOPK_SUM_CHOICES,
     REPLICA_HASH_PRIME,
     SCORING_FUNCS,
     SOFTPLUS_THRESHOLD,
     WEIGHT_EPSILON,
-    _check_bool,
-    _check_int,
-    _check_scores,
+    check_scores,
 )
 
 from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
@@ -685,8 +683,8 @@ def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     """Indices of each token's ``num_topk`` highest scores, best first: int64 ``[T, num_topk]``,
     bit for bit ``tileproof.reference.moe.topk_gate`` (stable descending order; ties → smaller
     index; ``-0 == +0``; NaN first)."""
-    _check_scores("scores", scores, ndim=2)
-    _check_int("num_topk", num_topk, low=1, high=scores.shape[1])
+    check_scores("scores", scores, ndim=2)
+    check_int("num_topk", num_topk, low=1, high=scores.shape[1])
     require_cuda("scores", scores)
     num_tokens, num_experts = scores.shape
     out = new_output(torch.empty((num_tokens, num_topk), dtype=torch.int64, device=scores.device))
@@ -711,10 +709,10 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
     """The ``num_topk_groups`` best groups of each token by the sum of their best one or two scores:
     int64 ``[T, num_topk_groups]``, bit for bit ``tileproof.reference.moe.topk_sum_and_topk_group_idx``.
     ``scores`` fp32 ``[T, G, E/G]`` with any strides; up to ``32·32`` groups."""
-    _check_scores("scores", scores, ndim=3)
-    _check_int("num_topk_sum", num_topk_sum, low=1, high=scores.shape[2])
+    check_scores("scores", scores, ndim=3)
+    check_int("num_topk_sum", num_topk_sum, low=1, high=scores.shape[2])
     check_choice("num_topk_sum", num_topk_sum, NUM_TOPK_SUM_CHOICES)
-    _check_int("num_topk_groups", num_topk_groups, low=1, high=scores.shape[1])
+    check_int("num_topk_groups", num_topk_groups, low=1, high=scores.shape[1])
     require_cuda("scores", scores)
     num_tokens, num_groups, group_size = scores.shape
     groups_per_lane = entries_per_lane(num_groups)
@@ -774,32 +772,32 @@ def _check_router_arguments(
     """The reference's argument rules, minus the three that read tensor data (finite logits, the
     fixed rows' indices, ``logical_count``'s range): those the kernel device-asserts. Returns
     ``(num_shared, num_extra)``."""
-    _check_scores("logits", logits, ndim=2)
-    _check_scores("bias", bias, ndim=1)
+    check_scores("logits", logits, ndim=2)
+    check_scores("bias", bias, ndim=1)
     num_tokens, num_routed = logits.shape
     if bias.shape[0] != num_routed:
         raise ValueError(f"bias must have shape ({num_routed},), got {tuple(bias.shape)}")
-    _check_int("num_topk", num_topk, low=1, high=num_routed)
-    _check_int("num_groups", num_groups, low=0)
-    _check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
+    check_int("num_topk", num_topk, low=1, high=num_routed)
+    check_int("num_groups", num_groups, low=0)
+    check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
     if (num_groups == 0) != (num_topk_groups == 0):
         raise ValueError(f"num_topk_groups must be 0 when num_groups is 0, got {num_topk_groups}")
     if num_groups and num_routed % num_groups:
         raise ValueError(f"num_groups must divide the number of experts ({num_routed}), got {num_groups}")
     if num_groups != num_topk_groups and num_topk > num_topk_groups * (num_routed // num_groups):
         raise ValueError(f"num_topk must be <= the experts of the kept groups, got {num_topk}")
-    _check_bool("use_shared_as_routed", use_shared_as_routed)
+    check_bool("use_shared_as_routed", use_shared_as_routed)
     num_shared = 0
     if use_shared_as_routed:
-        num_shared = _check_int("num_shared_experts", num_shared_experts, low=1, high=2)
+        num_shared = check_int("num_shared_experts", num_shared_experts, low=1, high=2)
         if num_topk % num_shared or num_routed % (num_topk // num_shared):
             raise ValueError(f"num_shared_experts must divide num_topk ({num_topk}) evenly, got {num_shared}")
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
         raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-    _check_int("num_ep_ranks", num_ep_ranks, low=1)
-    _check_int("ep_rank", ep_rank, low=0, high=num_ep_ranks - 1)
-    _check_int("num_tp_ranks", num_tp_ranks, low=1)
-    _check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
+    check_int("num_ep_ranks", num_ep_ranks, low=1)
+    check_int("ep_rank", ep_rank, low=0, high=num_ep_ranks - 1)
+    check_int("num_tp_ranks", num_tp_ranks, low=1)
+    check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
     check_choice("scoring_func", scoring_func, SCORING_FUNCS)
     for name, flags in (("mask", mask), ("fix_routing_mask", fix_routing_mask)):
         if flags is not None:

@@ -83,6 +83,7 @@ from tileproof.reference.contract import (
     ceil_div,
     check_cast_format,
     check_choice,
+    check_int,
     check_num_per_tokens,
     check_per_token_blocks,
     check_scale_flags,
@@ -95,12 +96,11 @@ from tileproof.reference.quant_swiglu import (
     CLAMP_COUNTERS,
     FORWARD_CHANNEL_BLOCK,
     INDEX_DTYPES,
-    _check_clamp,
-    _check_gate_up,
-    _check_index_vector,
-    _check_int,
-    _check_on_device,
-    _check_topk_weights,
+    check_clamp,
+    check_gate_up,
+    check_index_vector,
+    check_on_device,
+    check_topk_weights,
 )
 
 from ..device import sm_count
@@ -934,8 +934,8 @@ def _check_forward_arguments(
     spec = check_cast_format(fmt)
     check_tensor("x", x, dtypes=CAST_INPUT_DTYPES, ndim=2)
     check_unit_inner_stride("x", x)
-    rows, hidden = x.shape[0], _check_gate_up("x", x)
-    _check_int("num_per_channels", num_per_channels)
+    rows, hidden = x.shape[0], check_gate_up("x", x)
+    check_int("num_per_channels", num_per_channels)
     if num_per_channels not in (FORWARD_CHANNEL_BLOCK, hidden):
         raise ValueError(
             f"num_per_channels must be {FORWARD_CHANNEL_BLOCK} or the hidden size {hidden}, got {num_per_channels}"
@@ -948,20 +948,20 @@ def _check_forward_arguments(
             "topk_weights.flatten()[pos_to_token_topk[r]]) or both be None"
         )
     if pos_to_token_topk is not None:
-        _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x.device)
-        _check_topk_weights("topk_weights", topk_weights, x.device)
+        check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x.device)
+        check_topk_weights("topk_weights", topk_weights, x.device)
         if topk_weights.numel() >= 2**31:
             raise ValueError(f"topk_weights must have fewer than 2^31 elements, got {topk_weights.numel()}")
     if pos_to_expert is not None:
-        _check_index_vector("pos_to_expert", pos_to_expert, rows, x.device)
-    clamp_value = _check_clamp(swiglu_clamp_value)
+        check_index_vector("pos_to_expert", pos_to_expert, rows, x.device)
+    clamp_value = check_clamp(swiglu_clamp_value)
     if clamped_count is not None:
         if clamp_value is None:
             raise ValueError("clamped_count counts clamped elements: it needs a swiglu_clamp_value")
         check_tensor("clamped_count", clamped_count, dtypes=(torch.int64,), ndim=1)
         if clamped_count.shape[0] != CLAMP_COUNTERS:
             raise ValueError(f"clamped_count must have shape ({CLAMP_COUNTERS},), got {tuple(clamped_count.shape)}")
-        _check_on_device("clamped_count", clamped_count, x.device)
+        check_on_device("clamped_count", clamped_count, x.device)
     return spec, hidden, round_sf, clamp_value
 
 
@@ -1150,11 +1150,11 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     check_num_per_tokens(num_per_tokens)
     check_tensor("x", x, dtypes=(torch.bfloat16,), ndim=2)
     check_unit_inner_stride("x", x)
-    hidden = _check_gate_up("x", x)
+    hidden = check_gate_up("x", x)
     check_scale_flags(E4M3, round_sf, False)
     if not isinstance(without_transpose, bool):
         raise TypeError(f"without_transpose must be a bool, got {type(without_transpose).__name__}")
-    clamp_value = _check_clamp(swiglu_clamp_value)
+    clamp_value = check_clamp(swiglu_clamp_value)
     require_cuda("x", x)
     # The casts below run even with zero tokens: they allocate the outputs of the right shapes.
     activation = torch.empty((x.shape[0], hidden), dtype=torch.bfloat16, device=x.device)
@@ -1512,8 +1512,8 @@ def swiglu_backward_and_per_token_cast(
     x_q, x_sf = x
     check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
     check_unit_inner_stride("x[0]", x_q)
-    rows, hidden = x_q.shape[0], _check_gate_up("x[0]", x_q)
-    _check_int("num_per_channels", num_per_channels)
+    rows, hidden = x_q.shape[0], check_gate_up("x[0]", x_q)
+    check_int("num_per_channels", num_per_channels)
     if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
         raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
     if hidden % num_per_channels:
@@ -1527,19 +1527,19 @@ def swiglu_backward_and_per_token_cast(
     check_unit_inner_stride("grad_out", grad_out)
     if tuple(grad_out.shape) != (rows, hidden):
         raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
-    _check_on_device("grad_out", grad_out, x_q.device)
-    _check_topk_weights("weight", weight, x_q.device)
-    _check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
+    check_on_device("grad_out", grad_out, x_q.device)
+    check_topk_weights("weight", weight, x_q.device)
+    check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
     check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
     if token_topk_to_pos.shape != weight.shape:
         raise ValueError(
             f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
         )
-    _check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
     if weight.numel() >= 2**31:
         raise ValueError(f"weight must have fewer than 2^31 elements, got {weight.numel()}")
     round_sf = check_scale_flags(E4M3, round_sf, False)
-    clamp_value = _check_clamp(swiglu_clamp_value)
+    clamp_value = check_clamp(swiglu_clamp_value)
     require_cuda("x[0]", x_q)
 
     device = x_q.device
