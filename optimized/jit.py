@@ -232,6 +232,27 @@ class DeviceCompileBatch:
                     self._fingerprints[key] = fingerprint
         return _UnlaunchableKernel(factory.__name__)
 
+    def export(self) -> dict:
+        """What this batch has learnt (picklable): for a batch in another process to ``absorb``."""
+        with self._lock:
+            return {
+                "sources": dict(self._sources),
+                "fingerprints": dict(self._fingerprints),
+                "errors": dict(self._errors),
+                "tags": {tag: list(keys) for tag, keys in self._tags.items()},
+            }
+
+    def absorb(self, state: dict) -> None:
+        """Merge another batch's ``export``: its kernels are then known here (not lowered again)."""
+        with self._lock:
+            self._errors.update(state["errors"])
+            for key, source in state["sources"].items():
+                if key not in self._errors:
+                    self._sources[key] = source
+            self._fingerprints.update(state["fingerprints"])
+            for tag, keys in state["tags"].items():
+                self._tags.setdefault(tag, []).extend(keys)
+
     def compile(self, workers: int) -> dict[str, str]:
         """nvcc over every kernel lowered and not yet compiled; the first error of each tag."""
         with self._lock:

@@ -13,9 +13,10 @@ The stages, for the selected cases:
    ``compile_only()``, from a thread pool, with uninitialized inputs of the right shapes and
    strides. One case per compile group goes first, so that parallel workers compile different
    kernels; the rest hit the cache. Without a GPU this *is* the test of the optimized twin (every
-   kernel builds for sm_90a): TileLang lowers each kernel and nvcc then compiles many kernels'
-   CUDA per call (``batched_device_compile`` in the jit module: the headers nvcc parses for every
-   kernel are half the time); with one it compiles and caches each kernel before anything is timed.
+   kernel builds for sm_90a): TileLang lowers each kernel (the first wave in one process per
+   worker, as the lowering holds the GIL) and nvcc then compiles many kernels' CUDA per call
+   (``batched_device_compile`` in the jit module: the headers nvcc parses for every kernel are
+   half the time); with one it compiles and caches each kernel before anything is timed.
 2. Per case: inputs from the case's seed, the reference (on the GPU when there is one, else on the
    CPU) and its self-checks, including the native reference against its float64 version under the
    output's own ``RelativeError`` bound (``OpSpec.reference_float64``). Then, with a GPU (or on the
@@ -39,6 +40,7 @@ import importlib
 import importlib.metadata
 import io
 import os
+import pickle
 import platform
 import shlex
 import shutil
@@ -369,6 +371,17 @@ def compile_pass(
             first.append(case)
     results: dict[str, str | None] = {}
     with _device_compile_batch(twin) as batch:
+        waves = [first, rest]
+        if batch is not None and workers > 1 and twin is OPTIMIZED and device.type == "cpu" and len(first) > workers:
+            # TileLang's lowering holds the GIL: threads would lower one kernel at a time.
+            shares = [first[index::workers] for index in range(workers)]
+            for share, (errors, state) in zip(shares, _lower_in_processes(shares), strict=True):
+                batch.absorb(state)
+                for case in share:
+                    results[case.label] = errors[case.label]
+                    if on_done:
+                        on_done(case, errors[case.label])
+            waves = [rest]
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tileproof-compile") as pool:
 
             def compile_one(case: Case) -> str | None:
@@ -376,7 +389,7 @@ def compile_pass(
                     return _compile_one(case, device, twin)
                 return batch.run(case.label, lambda: _compile_one(case, device, twin))
 
-            for wave in (first, rest):
+            for wave in waves:
                 for case, error in zip(wave, pool.map(compile_one, wave), strict=True):
                     results[case.label] = error
                     if on_done:
@@ -385,6 +398,44 @@ def compile_pass(
             for label, error in batch.compile(workers).items():
                 results[label] = results[label] or error
     return results
+
+
+def _lower_in_processes(shares: list[list[Case]]) -> list[tuple[dict[str, str | None], dict]]:
+    """Lower each share of cases' kernels in its own Python process (``lower_cases_main``): their
+    errors and batch states. Plain subprocesses, not multiprocessing: nothing re-imports the
+    caller's main module."""
+    with tempfile.TemporaryDirectory(prefix="tileproof-lower-") as directory:
+        processes = []
+        for index, share in enumerate(shares):
+            cases_path, result_path = Path(directory, f"cases{index}.pickle"), Path(directory, f"result{index}.pickle")
+            cases_path.write_bytes(pickle.dumps(share))
+            command = [sys.executable, "-c", _LOWER_COMMAND, str(cases_path), str(result_path)]
+            log_path = Path(directory, f"log{index}.txt")
+            with log_path.open("wb") as log:  # a file, not a pipe: a full pipe would block the child
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            processes.append((process, result_path, log_path))
+        outcomes = []
+        for process, result_path, log_path in processes:
+            if process.wait() != 0 or not result_path.exists():
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"a lowering process failed (exit status {process.returncode}): {tail}")
+            outcomes.append(pickle.loads(result_path.read_bytes()))
+        return outcomes
+
+
+_LOWER_COMMAND = "import sys; from tileproof.oracle.runner import lower_cases_main; lower_cases_main(*sys.argv[1:])"
+
+
+def lower_cases_main(cases_path: str, result_path: str) -> None:
+    """Entry point of a lowering process: the pickled cases' kernels lowered under a
+    ``batched_device_compile`` (no nvcc); writes the errors per case and the batch's state."""
+    cases = pickle.loads(Path(cases_path).read_bytes())
+    jit = importlib.import_module(OPTIMIZED.jit_module)
+    errors: dict[str, str | None] = {}
+    with jit.batched_device_compile() as batch:
+        for case in cases:
+            errors[case.label] = batch.run(case.label, lambda c=case: _compile_one(c, torch.device("cpu"), OPTIMIZED))
+    Path(result_path).write_bytes(pickle.dumps((errors, batch.export())))
 
 
 @contextlib.contextmanager

@@ -72,3 +72,20 @@ def test_batched_device_compile_names_the_kernel_that_fails(tmp_path):
         again.run("good", lambda: factory(""))
     assert not again._sources  # known from its marker: nothing left to compile
     assert again.compile(workers=1) == {}
+
+
+@pytest.mark.compile
+def test_lowering_processes_report_every_case_and_build_the_kernels(tmp_path, monkeypatch):
+    """Without a GPU the first wave of a compile pass is lowered in worker processes (TileLang holds
+    the GIL); each case still gets its own result, and the kernels they lowered reach nvcc."""
+    import torch
+
+    from tileproof.oracle import registry, runner
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU kernels are compiled one by one in the caller")
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))  # no markers yet: everything is lowered
+    cases = registry.select_cases("quick", ["transpose"])
+    results = runner.compile_pass(cases, workers=2)
+    assert set(results) == {case.label for case in cases} and not any(results.values())
+    assert len(list((tmp_path / "tileproof-device-checked").iterdir())) >= 2  # built, marked by the parent
