@@ -122,8 +122,11 @@ def backend_twin(name: str, namespace: object | None = None) -> Twin:
 def base_twin(revision: str) -> Twin:
     """The optimized kernels of another git revision of this checkout: ``optimized/`` of that
     commit is extracted (``git archive``, nothing in the checkout changes) into a temporary folder
-    and imported as the package ``tileproof_base_<commit>``, with its own jit. The references,
-    the contract module and the oracle stay those of the working tree."""
+    and imported as the package ``tileproof_base_<commit>``, with its own jit. What those kernels
+    import from ``tileproof.reference`` (the shared validation and constants) comes from that
+    revision too (its ``reference/``, extracted beside them as ``tileproof_base_<commit>_reference``),
+    so a revision imports as it was written; the references the oracle compares with, and the
+    oracle itself, stay those of the working tree."""
     commit = _command("git", "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}", cwd=REPO_ROOT)
     if not commit:
         raise ValueError(f"--base {revision}: not a commit of the git checkout at {REPO_ROOT}")
@@ -131,7 +134,7 @@ def base_twin(revision: str) -> Twin:
     if alias not in sys.modules:
         try:
             archive = subprocess.run(
-                ["git", "archive", "--format=tar", commit, "optimized"],
+                ["git", "archive", "--format=tar", commit, "optimized", "reference"],
                 cwd=REPO_ROOT,
                 capture_output=True,
                 timeout=60,
@@ -147,6 +150,11 @@ def base_twin(revision: str) -> Twin:
             else:  # Python < 3.10.12: our own archive, no links or absolute paths to guard against
                 tar.extractall(folder)
         (folder / "optimized").rename(folder / alias)
+        (folder / "reference").rename(folder / f"{alias}_reference")
+        for source in [*(folder / alias).rglob("*.py"), *(folder / f"{alias}_reference").rglob("*.py")]:
+            text = source.read_text()
+            text = text.replace("tileproof.reference", f"{alias}_reference")
+            source.write_text(text.replace("tileproof.optimized", alias))
         sys.path.insert(0, str(folder))
         importlib.invalidate_caches()
 
