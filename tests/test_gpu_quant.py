@@ -52,7 +52,14 @@ CASES = [
     for flags in FLAG_SETS
     for padding in (0, 64)
     if not (padding and flags != "plain")
-] + [(5, 96, 96, "e4m3", torch.bfloat16, "plain", 0), (3, 200, 200, "e2m1", torch.float32, "packed", 8)]
+] + [
+    (5, 96, 96, "e4m3", torch.bfloat16, "plain", 0),
+    (3, 200, 200, "e2m1", torch.float32, "packed", 8),
+    # More rows than one launch's grid y holds (65535): launched in slices of rows.
+    (70001, 256, 128, "e4m3", torch.bfloat16, "packed", 0),
+    (65537, 64, 32, "e2m1", torch.float32, "colmajor", 0),
+    (65536, 128, 16, "e4m3", torch.float32, "plain", 64),
+]
 
 
 @pytest.mark.parametrize("tokens,hidden,C,fmt,dtype,flags,padding", CASES)

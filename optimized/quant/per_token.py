@@ -8,7 +8,9 @@ Kernel design (memory-bound: read x once, write q and sf once):
   absolute maximum is a few ``shfl_xor`` steps, with no shared memory and no barrier.
 - Each thread loads ``items`` segments before using any (independent 16-byte loads in flight),
   which is what keeps HBM busy; ``schedule`` picks threads, items and the lane chunk per call.
-- Grid: ``(units per row, rows)``; a CTA covers ``warps · items`` segments of one row.
+- Grid: ``(units per row, rows)``; a CTA covers ``warps · items`` segments of one row. Grid y
+  stops at 65535 rows, so longer inputs are launched in slices of rows (views starting at the
+  slice's first row; one launch for up to 65535 tokens).
 - C == H outside {16, 32, 64, 128} (one scale per row) uses ``per_row_cast_kernel``: a CTA per row
   and a CTA-wide reduction.
   Tails (H not a multiple of the segment or of C) are masked per vector; masked elements count as
@@ -447,6 +449,9 @@ def packed_scale_index(row, kblock, leading_words):
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y extent
+
+
 def _vector_width(x: torch.Tensor) -> int:
     """Widest vector (elements, at most 16 bytes) that every row start and the row length allow."""
     element_bytes = x.element_size()
@@ -477,32 +482,38 @@ def _launch(x, spec, num_per_channels, sf, q, mode: int, round_sf: bool, packed:
         )
     if compiling_only():
         return
-    if packed:
-        # int32 words [rows, kwords] with strides (1, ld): pass the bytes; ld counts words.
-        sf_argument, row_stride, kblock_stride = flat_view(sf).view(torch.uint8), sf.stride(1), 0
-    else:
-        sf_argument, row_stride, kblock_stride = flat_view(sf), sf.stride(0), sf.stride(1)
+    # Packed scales are int32 words [rows, kwords] with strides (1, ld): the kernel gets their
+    # bytes, and ld counts words.
+    row_stride, kblock_stride = (sf.stride(1), 0) if packed else (sf.stride(0), sf.stride(1))
     row_stride_vectors = x.stride(0) // vector if tokens > 1 else hidden // vector
-    q_argument = flat_view(q).view(torch.uint8) if spec is E2M1 else flat_view(q)
-    if row_wide:
-        kernel(flat_view(x), q_argument, sf_argument, tokens, row_stride_vectors, row_stride, mode, int(round_sf))
+
+    def flat_arguments(x_rows, q_rows, sf_rows):
+        x_argument = flat_view(x_rows)
+        if not row_wide and x.dtype == torch.bfloat16 and vector % 2 == 0:
+            x_argument = x_argument.view(torch.int32)  # bf16 rows read as 32-bit words (``bf16_words``)
+        q_argument = flat_view(q_rows).view(torch.uint8) if spec is E2M1 else flat_view(q_rows)
+        return x_argument, q_argument, flat_view(sf_rows).view(torch.uint8) if packed else flat_view(sf_rows)
+
+    if row_wide:  # a row per CTA on grid x
+        kernel(*flat_arguments(x, q, sf), tokens, row_stride_vectors, row_stride, mode, int(round_sf))
         return
-    # bf16 rows are read as 32-bit words (see ``bf16_words`` in the kernel factory).
-    x_argument = flat_view(x).view(torch.int32) if x.dtype == torch.bfloat16 and vector % 2 == 0 else flat_view(x)
     kblocks = ceil_div(hidden, num_per_channels)
-    kernel(
-        x_argument,
-        q_argument,
-        sf_argument,
-        tokens,
-        hidden // vector,
-        row_stride_vectors,
-        kblocks,
-        row_stride,
-        kblock_stride,
-        mode,
-        int(round_sf),
-    )
+    # Rows are on grid y, which stops at MAX_GRID_Y: longer inputs go in launches of that many rows,
+    # each on views that start at its first row (the scale index is linear in the row, packed too).
+    for first in range(0, tokens, MAX_GRID_Y):
+        rows = slice(first, min(tokens, first + MAX_GRID_Y))
+        views = (x, q, sf) if tokens <= MAX_GRID_Y else (x[rows], q[rows] if q.dim() == 2 else q, sf[rows])
+        kernel(
+            *flat_arguments(*views),
+            views[0].shape[0],
+            hidden // vector,
+            row_stride_vectors,
+            kblocks,
+            row_stride,
+            kblock_stride,
+            mode,
+            int(round_sf),
+        )
 
 
 def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:
