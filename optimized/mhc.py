@@ -32,6 +32,8 @@ Kernel design:
   single CTA adds the partial rows in order.
 """
 
+import importlib
+
 import tilelang.language as T
 import torch
 
@@ -52,6 +54,16 @@ from tileproof.reference.mhc import (
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 
+# The norm-fn kernels and the fused / multilayer paths live in their own modules, which import the
+# kernels of this one: they are looked up on first use (PEP 562 ``__getattr__`` at the end), so
+# either module may be imported first; the oracle finds every mHC twin here.
+_ELSEWHERE = {
+    "mhc_pre_norm_fn": "mhc_norm",
+    "mhc_pre_norm_fn_bwd": "mhc_norm",
+    "mhc_pre_big_fuse": "mhc_fuse",
+    "mhc_multilayer_recompute": "mhc_fuse",
+}
+
 __all__ = [
     "sinkhorn_normalize",
     "sinkhorn_normalize_bwd",
@@ -65,6 +77,7 @@ __all__ = [
     "expand_to_mhc_bwd",
     "mhc_head_compute_mix",
     "mhc_head_compute_mix_bwd",
+    *_ELSEWHERE,
 ]
 
 F32 = torch.float32
@@ -1399,3 +1412,10 @@ def mhc_head_compute_mix_bwd(
     # The head has only the pre group: the post and comb gradients are never read (any fp32 tensor).
     grads = (grad_output, grad_output, grad_output.unsqueeze(-1))
     return _split_backward(grads, input_mix, mhc_scale, mhc_base, n, 1.0, head=True)
+
+
+def __getattr__(name: str):
+    """The twins of ``_ELSEWHERE``, imported on first use."""
+    if name in _ELSEWHERE:
+        return getattr(importlib.import_module(f"{__package__}.{_ELSEWHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

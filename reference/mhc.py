@@ -621,7 +621,7 @@ def mhc_pre_big_fuse(
     return post_mix, comb_mix, layer_input
 
 
-def _check_tensor_list(name: str, value, length: int | None = None) -> list:
+def check_tensor_list(name: str, value, length: int | None = None) -> list:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors, got {type(value).__name__}")
     if length is not None and len(value) != length:
@@ -629,7 +629,7 @@ def _check_tensor_list(name: str, value, length: int | None = None) -> list:
     return list(value)
 
 
-def _check_list_entries(name: str, tensors: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def check_list_entries(name: str, tensors: list, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     for index, value in enumerate(tensors):
         check_tensor(f"{name}[{index}]", value, dtypes=(dtype,), ndim=len(shape))
         check_shape(f"{name}[{index}]", value, shape)
@@ -668,27 +668,27 @@ def mhc_multilayer_recompute(
         None (the outputs are written into the given buffers, as TileKernels does).
     """
     tokens, n, hidden = check_residual("initial_residual", initial_residual)
-    pre_mixes = _check_tensor_list("pre_mix_list", pre_mix_list)
+    pre_mixes = check_tensor_list("pre_mix_list", pre_mix_list)
     num_layers = len(pre_mixes)
     if num_layers < 1:
         raise ValueError("pre_mix_list must hold at least one layer, got 0 entries")
-    layer_outputs = _check_tensor_list("layer_output_list", layer_output_list)
+    layer_outputs = check_tensor_list("layer_output_list", layer_output_list)
     num_post = len(layer_outputs)
     if num_post not in (num_layers - 1, num_layers):
         raise ValueError(
             f"layer_output_list must have {num_layers - 1} or {num_layers} entries (L − 1 or L for "
             f"L = {num_layers} layers), got {num_post}"
         )
-    post_mixes = _check_tensor_list("post_mix_list", post_mix_list, num_post)
-    comb_mixes = _check_tensor_list("comb_mix_list", comb_mix_list, num_post)
-    layer_inputs = _check_tensor_list("layer_input_list", layer_input_list, num_layers)
-    residuals = _check_tensor_list("residual_list", residual_list, num_post)
-    _check_list_entries("pre_mix_list", pre_mixes, F32, (tokens, n))
-    _check_list_entries("layer_output_list", layer_outputs, BF16, (tokens, hidden))
-    _check_list_entries("post_mix_list", post_mixes, F32, (tokens, n))
-    _check_list_entries("comb_mix_list", comb_mixes, F32, (tokens, n, n))
-    _check_list_entries("layer_input_list", layer_inputs, BF16, (tokens, hidden))
-    _check_list_entries("residual_list", residuals, BF16, (tokens, n, hidden))
+    post_mixes = check_tensor_list("post_mix_list", post_mix_list, num_post)
+    comb_mixes = check_tensor_list("comb_mix_list", comb_mix_list, num_post)
+    layer_inputs = check_tensor_list("layer_input_list", layer_input_list, num_layers)
+    residuals = check_tensor_list("residual_list", residual_list, num_post)
+    check_list_entries("pre_mix_list", pre_mixes, F32, (tokens, n))
+    check_list_entries("layer_output_list", layer_outputs, BF16, (tokens, hidden))
+    check_list_entries("post_mix_list", post_mixes, F32, (tokens, n))
+    check_list_entries("comb_mix_list", comb_mixes, F32, (tokens, n, n))
+    check_list_entries("layer_input_list", layer_inputs, BF16, (tokens, hidden))
+    check_list_entries("residual_list", residuals, BF16, (tokens, n, hidden))
 
     stream = initial_residual  # X_l, always the bf16 value the unfused path would have stored
     for layer in range(num_layers):

@@ -66,10 +66,12 @@ def test_both_layers_are_registered_with_stated_policies():
         assert all(o.why and isinstance(o.policy, RelativeError) and 0 < o.policy.bound <= 2.0**-3 for o in op.outputs)
         driver = op.reference()
         assert isinstance(driver, spec_module.LayerDriver) and driver.layers is modeling
-        assert op.optimized() is None  # no tileproof.optimized.modeling yet: reference only
+        twin = op.optimized()  # the driver over tileproof.optimized.modeling once it has every layer
+        assert twin is None or (isinstance(twin, spec_module.LayerDriver) and twin.layers.__name__.endswith("modeling"))
         for case in registry.cases_of(name, "full"):
             assert op.bytes_moved(case) > 0 or "/T0/" in case.label
-            assert op.compile_group(case) is None
+            if twin is None:
+                assert op.compile_group(case) is None  # nothing to compile for a reference-only layer
 
 
 def test_optimized_is_a_driver_once_every_layer_exists(monkeypatch):
@@ -118,7 +120,9 @@ def test_every_quick_case_passes_its_checks(name, seed):
         checks, call = runner.check_case(case, registry.case_seed(seed, case.label), CPU, None, gpu=False)
         assert call is not None and _failures(checks) == [], (case.label, _failures(checks))
         names = {check.name for check in checks}
-        assert "reference layout" in names and any(c.name == runner.REFERENCE_ONLY for c in checks)
+        # Without a GPU a layer with an optimized twin has its comparison skipped for that reason.
+        skipped = runner.REFERENCE_ONLY if op.optimized() is None else "GPU comparison"
+        assert "reference layout" in names and any(c.name == skipped for c in checks)
         assert {f"reference ≈ float64: {o.name}" for o in op.outputs} <= names
         assert {f"autograd ≡ explicit backwards (float64): {g}" for g in gradients} <= names, case.label
         assert any(n.startswith("premise") for n in names)

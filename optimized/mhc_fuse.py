@@ -1,0 +1,355 @@
+"""Optimized twin of the mHC fused operators (contract §5): ``mhc_pre_big_fuse`` and ``mhc_multilayer_recompute``.
+
+Same public names, argument order and results as ``tileproof.reference.mhc``; each output within the
+policy its oracle states (``oracle/mhc.py``).
+
+Design:
+
+- **Multilayer recompute** (``apply_post_kernel``): one kernel per replayed layer with a post. A
+  thread takes ``items`` 16-byte vectors of one token row of ``X_l``, loads the ``n`` streams once and
+  writes both ``layer_input_l = bf16(Σ_i pre_i·X_l[i])`` and ``X_{l+1}[o] = bf16(post_o·y + Σ_i
+  comb[i, o]·X_l[i])``, with the operation order of ``mhc_pre_apply_mix`` and ``mhc_post``
+  (``tileproof.optimized.mhc``): fp32, streams in index order, one bf16 rounding each. ``X_{l+1}`` is
+  read back from its bf16 buffer by the next layer, which is what makes the replay bit-identical to
+  the layers run one by one (the contract): keeping it in fp32 across layers would not be. A layer
+  without a post (the last one when P = L − 1) is ``apply_mix_kernel`` of ``optimized/mhc.py``.
+  Per layer the streams are read once instead of twice (pre-apply and post separately): 2nC + 2C
+  bf16 elements move per token instead of 3nC + 2C. The outputs go straight into the caller's
+  buffers (16-byte stores when their rows allow); a buffer whose channels are not contiguous gets
+  a contiguous temporary, copied in after the kernel.
+- **Big fuse**: composes the optimized kernels, ``mhc_pre_norm_fn`` (``optimized/mhc_norm.py``, the
+  TF32 GEMM with the norm weight folded), then the split, Sinkhorn and pre-apply kernels of
+  ``optimized/mhc.py``. Its results are therefore bit-identical to those four optimized operators
+  run one by one; the streams are read twice (GEMM and pre-apply). A single-pass kernel (one CTA per
+  token reading its streams once) is not written yet.
+"""
+
+import tilelang.language as T
+import torch
+
+from tileproof.reference.contract import check_nonnegative_float, check_positive_int, check_shape, check_tensor
+from tileproof.reference.mhc import check_list_entries, check_residual, check_tensor_list
+
+from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .mhc import (
+    STREAM_ITEMS,
+    STREAM_THREADS,
+    _channel_strides,
+    _stream_vector,
+    apply_mix_kernel,
+    load_channels,
+    mhc_pre_apply_mix,
+    mhc_pre_split_mixes,
+    sinkhorn_normalize,
+    store_channels,
+    widen,
+)
+
+__all__ = ["mhc_pre_big_fuse", "mhc_multilayer_recompute"]
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Multilayer recompute
+# ---------------------------------------------------------------------------------------------
+
+
+@jit()
+def apply_post_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: int = STREAM_THREADS):
+    """One replayed layer: ``layer_in[t, c] = Σ_i pre[t, i]·X[t, i, c]`` and ``out[t, o, c] =
+    post[t, o]·y[t, c] + Σ_i comb[t, i, o]·X[t, i, c]`` from one read of ``X`` (fp32, i in order, one
+    bf16 rounding each, as ``apply_mix_kernel`` and ``post_kernel``). Grid: (T, channel blocks of
+    ``threads·items`` vectors); strides in vectors; the outputs' channels are contiguous."""
+    residual_span = T.dynamic("residual_span")
+    pre_span = T.dynamic("pre_span")
+    x_span = T.dynamic("x_span")
+    post_span = T.dynamic("post_span")
+    comb_span = T.dynamic("comb_span")
+    layer_input_span = T.dynamic("layer_input_span")
+    out_span = T.dynamic("out_span")
+
+    @T.prim_func
+    def kernel(
+        residual: T.Tensor((residual_span,), "bfloat16"),
+        pre_mix: T.Tensor((pre_span,), "float32"),
+        x: T.Tensor((x_span,), "bfloat16"),
+        post_mix: T.Tensor((post_span,), "float32"),
+        comb: T.Tensor((comb_span,), "float32"),
+        layer_input: T.Tensor((layer_input_span,), "bfloat16"),
+        out: T.Tensor((out_span,), "bfloat16"),
+        num_tokens: T.int32,
+        hidden_vectors: T.int32,
+        residual_token_stride: T.int32,
+        residual_stream_stride: T.int32,
+        residual_channel_stride: T.int32,
+        pre_token_stride: T.int32,
+        pre_stream_stride: T.int32,
+        x_token_stride: T.int32,
+        x_channel_stride: T.int32,
+        post_token_stride: T.int32,
+        post_stream_stride: T.int32,
+        comb_token_stride: T.int32,
+        comb_source_stride: T.int32,
+        comb_destination_stride: T.int32,
+        layer_input_token_stride: T.int32,
+        out_token_stride: T.int32,
+        out_stream_stride: T.int32,
+    ):
+        with T.Kernel(num_tokens, T.ceildiv(hidden_vectors, threads * items), threads=threads) as (token, block):
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((vector,), "bfloat16")
+            y = T.alloc_local((items * vector,), "bfloat16")
+            streams = T.alloc_local((n * items * vector,), "bfloat16")
+            mixed = T.alloc_local((items * vector,), "float32")
+            pre = T.alloc_local((n,), "float32")
+            post = T.alloc_local((n,), "float32")
+            weights = T.alloc_local((n * n,), "float32")
+            t64 = T.cast(token, "int64")
+            for o in T.unroll(n):
+                pre[o] = pre_mix[t64 * pre_token_stride + o * pre_stream_stride]
+                post[o] = post_mix[t64 * post_token_stride + o * post_stream_stride]
+                for i in T.unroll(n):
+                    weights[i * n + o] = comb[
+                        t64 * comb_token_stride + i * comb_source_stride + o * comb_destination_stride
+                    ]
+            for item in T.unroll(items):
+                column = (block * items + item) * threads + tx
+                load_channels(
+                    x,
+                    y,
+                    t64 * x_token_stride,
+                    column,
+                    T.cast(x_channel_stride, "int64"),
+                    item,
+                    hidden_vectors,
+                    vector,
+                )
+                for i in T.unroll(n):
+                    load_channels(
+                        residual,
+                        streams,
+                        t64 * residual_token_stride + i * residual_stream_stride,
+                        column,
+                        T.cast(residual_channel_stride, "int64"),
+                        i * items + item,
+                        hidden_vectors,
+                        vector,
+                    )
+            for item in T.unroll(items):
+                column = (block * items + item) * threads + tx
+                for e in T.unroll(vector):
+                    mixed[item * vector + e] = pre[0] * widen(streams[item * vector + e])
+                    for i in T.unroll(1, n):
+                        mixed[item * vector + e] = mixed[item * vector + e] + pre[i] * widen(
+                            streams[(i * items + item) * vector + e]
+                        )
+                store_channels(
+                    layer_input, raw, mixed, t64 * layer_input_token_stride, column, item, hidden_vectors, vector
+                )
+            for o in T.unroll(n):
+                for item in T.unroll(items):
+                    column = (block * items + item) * threads + tx
+                    for e in T.unroll(vector):
+                        mixed[item * vector + e] = weights[o] * widen(streams[item * vector + e])
+                        for i in T.unroll(1, n):
+                            mixed[item * vector + e] = mixed[item * vector + e] + weights[i * n + o] * widen(
+                                streams[(i * items + item) * vector + e]
+                            )
+                        mixed[item * vector + e] = post[o] * widen(y[item * vector + e]) + mixed[item * vector + e]
+                    store_channels(
+                        out,
+                        raw,
+                        mixed,
+                        t64 * out_token_stride + o * out_stream_stride,
+                        column,
+                        item,
+                        hidden_vectors,
+                        vector,
+                    )
+
+    return kernel
+
+
+def _writable(buffer: torch.Tensor) -> torch.Tensor:
+    """The caller's buffer when its channels are contiguous (the kernels store rows), else a
+    contiguous temporary that ``_write_back`` copies into it."""
+    if buffer.numel() == 0 or buffer.stride(-1) == 1:
+        return buffer
+    return new_output(torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device))
+
+
+def _write_back(buffer: torch.Tensor, written: torch.Tensor) -> None:
+    if written is not buffer:
+        buffer.copy_(written)
+
+
+def _output_strides(tensor: torch.Tensor, vector: int) -> list[int]:
+    """Outer strides of an output whose channels are contiguous, in vectors."""
+    return [stride // vector for stride in tensor.stride()[:-1]]
+
+
+def _replay_layer(stream, pre, y, post, comb, layer_input, residual_out, n: int, hidden: int) -> None:
+    """Layer input (and, with ``y``, the next residual) of one layer, into the given buffers."""
+    tokens = stream.shape[0]
+    input_target = _writable(layer_input)
+    if y is None:
+        vector = _stream_vector(hidden, stream, input_target)
+        kernel = apply_mix_kernel(n, vector)
+        if compiling_only():
+            return
+        kernel(
+            flat_view(stream),
+            flat_view(pre),
+            flat_view(input_target),
+            tokens,
+            hidden // vector,
+            *_channel_strides(stream, vector),
+            *pre.stride(),
+        )
+        _write_back(layer_input, input_target)
+        return
+    residual_target = _writable(residual_out)
+    vector = _stream_vector(hidden, stream, y, input_target, residual_target)
+    kernel = apply_post_kernel(n, vector)
+    if compiling_only():
+        return
+    kernel(
+        flat_view(stream),
+        flat_view(pre),
+        flat_view(y),
+        flat_view(post),
+        flat_view(comb),
+        flat_view(input_target),
+        flat_view(residual_target),
+        tokens,
+        hidden // vector,
+        *_channel_strides(stream, vector),
+        *pre.stride(),
+        *_channel_strides(y, vector),
+        *post.stride(),
+        *comb.stride(),
+        *_output_strides(input_target, vector),
+        *_output_strides(residual_target, vector),
+    )
+    _write_back(layer_input, input_target)
+    _write_back(residual_out, residual_target)
+
+
+def mhc_multilayer_recompute(
+    initial_residual: torch.Tensor,
+    pre_mix_list: list[torch.Tensor],
+    layer_output_list: list[torch.Tensor],
+    post_mix_list: list[torch.Tensor],
+    comb_mix_list: list[torch.Tensor],
+    layer_input_list: list[torch.Tensor],
+    residual_list: list[torch.Tensor],
+) -> None:
+    """Recompute the layer inputs and residuals of L consecutive layers from ``X_0`` into the given
+    buffers (see the reference); bit-identical to ``mhc_pre_apply_mix`` / ``mhc_post`` layer by layer."""
+    tokens, n, hidden = check_residual("initial_residual", initial_residual)
+    pre_mixes = check_tensor_list("pre_mix_list", pre_mix_list)
+    num_layers = len(pre_mixes)
+    if num_layers < 1:
+        raise ValueError("pre_mix_list must hold at least one layer, got 0 entries")
+    layer_outputs = check_tensor_list("layer_output_list", layer_output_list)
+    num_post = len(layer_outputs)
+    if num_post not in (num_layers - 1, num_layers):
+        raise ValueError(
+            f"layer_output_list must have {num_layers - 1} or {num_layers} entries (L − 1 or L for "
+            f"L = {num_layers} layers), got {num_post}"
+        )
+    post_mixes = check_tensor_list("post_mix_list", post_mix_list, num_post)
+    comb_mixes = check_tensor_list("comb_mix_list", comb_mix_list, num_post)
+    layer_inputs = check_tensor_list("layer_input_list", layer_input_list, num_layers)
+    residuals = check_tensor_list("residual_list", residual_list, num_post)
+    check_list_entries("pre_mix_list", pre_mixes, F32, (tokens, n))
+    check_list_entries("layer_output_list", layer_outputs, BF16, (tokens, hidden))
+    check_list_entries("post_mix_list", post_mixes, F32, (tokens, n))
+    check_list_entries("comb_mix_list", comb_mixes, F32, (tokens, n, n))
+    check_list_entries("layer_input_list", layer_inputs, BF16, (tokens, hidden))
+    check_list_entries("residual_list", residuals, BF16, (tokens, n, hidden))
+    require_cuda("initial_residual", initial_residual)
+    for name, tensors in (
+        ("pre_mix_list", pre_mixes),
+        ("layer_output_list", layer_outputs),
+        ("post_mix_list", post_mixes),
+        ("comb_mix_list", comb_mixes),
+        ("layer_input_list", layer_inputs),
+        ("residual_list", residuals),
+    ):
+        for index, tensor in enumerate(tensors):
+            require_cuda(f"{name}[{index}]", tensor)
+    if tokens == 0 or hidden == 0:
+        return
+    if n == 0:  # no streams: every layer input is the empty sum, and the residuals have no elements
+        for buffer in layer_inputs:
+            buffer.zero_()
+        return
+
+    stream = initial_residual  # X_l: the bf16 buffer the previous layer wrote, as the unfused path stores it
+    for layer in range(num_layers):
+        if layer < num_post:
+            _replay_layer(
+                stream,
+                pre_mixes[layer],
+                layer_outputs[layer],
+                post_mixes[layer],
+                comb_mixes[layer],
+                layer_inputs[layer],
+                residuals[layer],
+                n,
+                hidden,
+            )
+            stream = residuals[layer]
+        else:
+            _replay_layer(stream, pre_mixes[layer], None, None, None, layer_inputs[layer], None, n, hidden)
+
+
+# ---------------------------------------------------------------------------------------------
+# Big fuse (inference)
+# ---------------------------------------------------------------------------------------------
+
+
+def mhc_pre_big_fuse(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    rms_eps: float,
+    mhc_pre_eps: float,
+    mhc_sinkhorn_eps: float,
+    mhc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    n_splits: int = 16,
+    *,
+    mhc_norm_weight: torch.Tensor | None = None,
+):
+    """Inference ``mhc_pre``: ``(post_mix fp32 [T, n], comb_mix fp32 [T, n, n], layer_input bf16 [T, C])``,
+    the optimized norm-fn (norm weight folded), split, Sinkhorn and pre-apply run one by one."""
+    from .mhc_norm import mhc_pre_norm_fn  # the norm-fn GEMM's module; imported here so this one loads alone
+
+    tokens, n, hidden = check_residual("residual", residual)
+    m3 = n * n + 2 * n
+    check_tensor("fn", fn, dtypes=(F32,), ndim=2)
+    check_shape("fn", fn, (m3, n * hidden))
+    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
+    check_shape("mhc_scale", mhc_scale, (3,))
+    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
+    check_shape("mhc_base", mhc_base, (m3,))
+    if mhc_norm_weight is not None:
+        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
+        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+    rms_eps = check_nonnegative_float("rms_eps", rms_eps)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
+    sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
+    repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    check_positive_int("n_splits", n_splits)
+
+    mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
+    pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
+    comb_mix = sinkhorn_normalize(comb_logits, repeat=repeat, eps=sinkhorn_eps)
+    layer_input = mhc_pre_apply_mix(residual, pre_mix)
+    return post_mix, comb_mix, layer_input

@@ -1,0 +1,550 @@
+"""Optimized twin of the mHC norm-fn (contract §5): ``mhc_pre_norm_fn`` and its explicit backward.
+
+Same public names, argument order and results as ``tileproof.reference.mhc``, within the bounds the
+oracle states (``oracle/mhc.py``, ``PreNormFn`` / ``PreNormFnBwd``): those assume fp32 sums over
+``nC`` (or T) terms in any order with fn (dmul) read as TF32, 2^-11 per product. These kernels
+multiply in plain fp32 FFMA (2^-24 per product), which is *more* accurate than the TF32 model, so
+the same bounds hold; only the summation order differs from PyTorch's.
+
+Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 for n = 4):
+
+- **Forward / statistics** (``norm_fn_kernel``): one warp per ``TOKENS`` tokens walks the whole
+  row. A lane takes groups of ``GROUP`` consecutive channels of one stream (one 8-byte load per
+  token on the vector path), keeps ``TOKENS·(m + 1)`` fp32 partial sums (the m dot products and Σx²
+  of each token) in registers and reads the matching fn rows one at a time (γ folded in on the fly:
+  ``fn·γ`` is the reference's one fp32 rounding); the 8 warps of a CTA share those fn reads through
+  L1. A warp butterfly (``shfl_xor``, fixed order) finishes the sums: no atomics, deterministic.
+  The forward writes ``mixes = mul · rsqrt(Σx²/nC + eps)``; the backward's first pass instead writes
+  per token ``dmul = g·r`` and ``2·dsq = −(Σ_j g_j mul_j)·r / (Σx² + eps·nC)``.
+- **Backward to x and fn** (``norm_fn_grad_kernel``): grid (channel blocks, streams, token splits). A
+  thread holds its ``m × GROUP`` slab of folded fn in registers and walks the tokens of its split:
+  ``dx = fnᵀ·dmul + 2·dsq·x`` (fp32, stored contiguous) and accumulates ``dmul ⊗ x`` into an fp32
+  partial of dfn, written per split. ``norm_fn_reduce_kernel`` adds the split partials in split
+  order (deterministic, no atomics), multiplies by γ and sums ``dfn_folded·fn`` over m for dγ.
+"""
+
+import tilelang.language as T
+import torch
+
+from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
+from tileproof.reference.mhc import check_norm_inputs
+
+from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+
+__all__ = ["mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"]
+
+F32 = torch.float32
+BF16 = torch.bfloat16
+
+# Consecutive channels a thread takes per step: 4 bf16 (8-byte loads) and 4 fp32 of fn (16 bytes);
+# with 24 rows of fn the slab is 96 registers, which the backward holds next to 96 dfn partials.
+GROUP = 4
+# Forward / statistics: tokens per warp (its 4·(m + 1) partial sums take ~100 registers) and 8 warps
+# per CTA. Every warp walks all of fn; the CTA's warps walk it together, so most of those reads hit
+# L1 and L2 sees fn once per 32 tokens instead of once per 4.
+TOKENS = 4
+THREADS = 256
+GRAD_THREADS = 128
+REDUCE_THREADS = 128
+# Backward: aim for this many CTAs over the (channel blocks × streams × token splits) grid (2 waves
+# of 132 SMs × 4), with at least MIN_SPLIT_TOKENS tokens per split.
+TARGET_CTAS = 1056
+MIN_SPLIT_TOKENS = 64
+
+
+@T.macro
+def load_group(src, values, base, group, step, count, slot, vector: int):
+    """Channels ``group·GROUP + e`` (e < GROUP) of a row → ``values[slot·GROUP + e]`` as fp32, 0 at or
+    past ``count``. ``vector == GROUP``: ``base`` counts vectors and the group is one aligned load
+    (``count`` a multiple of GROUP); ``vector == 1``: element ``base + channel·step``."""
+    if vector == 1:
+        for e in T.unroll(GROUP):
+            channel = group * GROUP + e
+            values[slot * GROUP + e] = T.if_then_else(
+                T.cast(channel, "int64") < count,
+                T.cast(src[base + T.cast(channel, "int64") * step], "float32"),
+                T.float32(0),
+            )
+    else:
+        for e in T.vectorized(GROUP):
+            values[slot * GROUP + e] = T.cast(src[(base + group) * GROUP + e], "float32")
+
+
+@T.macro
+def warp_sum(partials, count: int):
+    """``partials[k]`` (``count`` fp32 per lane) → the warp's sum in every lane: a butterfly of
+    ``shfl_xor`` (a fixed order, so the result does not depend on scheduling)."""
+    for k in T.unroll(count):
+        for step in T.unroll(5):
+            partials[k] = partials[k] + T.shfl_xor(partials[k], 1 << (4 - step))
+
+
+@T.macro
+def store_group(dst, values, slot, base, group, count, vector: int):
+    """``values[slot·GROUP + e]`` → channel ``group·GROUP + e`` of the contiguous fp32 row at ``base`` (in vectors
+    when ``vector == GROUP``: one 16-byte store), below ``count``."""
+    if vector == 1:
+        for e in T.unroll(GROUP):
+            if T.cast(group * GROUP + e, "int64") < count:
+                dst[base + group * GROUP + e] = values[slot * GROUP + e]
+    else:
+        for e in T.vectorized(GROUP):
+            dst[(base + group) * GROUP + e] = values[slot * GROUP + e]
+
+
+@T.macro
+def load_folded_fn(
+    fn,
+    gamma,
+    slab,
+    weight,
+    stream,
+    group,
+    hidden,
+    fn_row_stride,
+    fn_col_stride,
+    gamma_stride,
+    rows: int,
+    vector: int,
+    weighted: bool,
+):
+    """``slab[j·GROUP + e] = fn[j, k]·γ[k]`` (γ only when ``weighted``) for the group's flattened
+    columns ``k = stream·C + group·GROUP + e``; 0 past C. Strides in vectors on the vector path."""
+    if weighted:
+        load_group(
+            gamma,
+            weight,
+            T.cast(stream, "int64") * (hidden // vector) * gamma_stride,
+            group,
+            T.cast(gamma_stride, "int64"),
+            T.cast(hidden, "int64"),
+            0,
+            vector,
+        )
+    for j in T.unroll(rows):
+        load_group(
+            fn,
+            slab,
+            T.cast(j, "int64") * fn_row_stride + T.cast(stream, "int64") * (hidden // vector) * fn_col_stride,
+            group,
+            T.cast(fn_col_stride, "int64"),
+            T.cast(hidden, "int64"),
+            j,
+            vector,
+        )
+        if weighted:
+            for e in T.unroll(GROUP):
+                slab[j * GROUP + e] = slab[j * GROUP + e] * weight[e]
+
+
+@jit()
+def norm_fn_kernel(
+    n: int, rows: int, vector: int, weighted: bool, backward: bool, tokens: int = TOKENS, threads: int = THREADS
+):
+    """One warp per ``tokens`` tokens: ``mul[t, j] = Σ_k x[t, k]·fn[j, k]`` and ``sq[t] = Σ_k x²``
+    (fp32, ``warp_sum``). Forward: ``out[t, j] = mul·rsqrt(sq/nC + eps)`` (``[T, rows]``). Backward
+    (``grad`` read): ``out[t] = [dmul (rows) | 2·dsq]`` (``[T, rows + 1]``)."""
+    warps = threads // 32
+    sums = tokens * (rows + 1)  # [mul (tokens × rows) | sq (tokens)]
+    width = rows + 1 if backward else rows
+    residual_span = T.dynamic("residual_span")
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    grad_span = T.dynamic("grad_span")
+    out_span = T.dynamic("out_span")
+
+    @T.prim_func
+    def kernel(
+        residual: T.Tensor((residual_span,), "bfloat16"),
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        grad: T.Tensor((grad_span,), "float32"),
+        out: T.Tensor((out_span,), "float32"),
+        num_tokens: T.int32,
+        hidden: T.int32,
+        residual_token_stride: T.int32,
+        residual_stream_stride: T.int32,
+        residual_channel_stride: T.int32,
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+        grad_token_stride: T.int32,
+        grad_col_stride: T.int32,
+        eps: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, tokens * warps), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            xs = T.alloc_local((tokens * GROUP,), "float32")
+            slab = T.alloc_local((GROUP,), "float32")
+            weight = T.alloc_local((GROUP,), "float32")
+            partials = T.alloc_local((sums,), "float32")
+            first = (block * warps + warp) * tokens
+            groups = T.ceildiv(hidden, GROUP)
+            for k in T.unroll(sums):
+                partials[k] = T.float32(0)
+            for stream in T.serial(n):
+                # A warp past the last token has nothing to do (its loop count is 0).
+                for chunk in T.serial(T.if_then_else(first < num_tokens, T.ceildiv(groups, 32), 0)):
+                    group = chunk * 32 + lane
+                    if group < groups:
+                        for t in T.unroll(tokens):
+                            token = T.min(first + t, num_tokens - 1)  # a tail CTA re-reads its last token
+                            load_group(
+                                residual,
+                                xs,
+                                T.cast(token, "int64") * residual_token_stride
+                                + T.cast(stream, "int64") * residual_stream_stride,
+                                group,
+                                T.cast(residual_channel_stride, "int64"),
+                                T.cast(hidden, "int64"),
+                                t,
+                                vector,
+                            )
+                            for e in T.unroll(GROUP):
+                                partials[tokens * rows + t] = (
+                                    partials[tokens * rows + t] + xs[t * GROUP + e] * xs[t * GROUP + e]
+                                )
+                        if weighted:
+                            load_group(
+                                gamma,
+                                weight,
+                                T.cast(stream, "int64") * (hidden // vector) * gamma_stride,
+                                group,
+                                T.cast(gamma_stride, "int64"),
+                                T.cast(hidden, "int64"),
+                                0,
+                                vector,
+                            )
+                        # One row of fn at a time (4 registers, not the 4·m slab): the 4·(m + 1)
+                        # partial sums already take ~100 registers.
+                        for j in T.unroll(rows):
+                            load_group(
+                                fn,
+                                slab,
+                                T.cast(j, "int64") * fn_row_stride
+                                + T.cast(stream, "int64") * (hidden // vector) * fn_col_stride,
+                                group,
+                                T.cast(fn_col_stride, "int64"),
+                                T.cast(hidden, "int64"),
+                                0,
+                                vector,
+                            )
+                            for e in T.unroll(GROUP):
+                                if weighted:
+                                    slab[e] = slab[e] * weight[e]
+                                for t in T.unroll(tokens):
+                                    partials[t * rows + j] = partials[t * rows + j] + xs[t * GROUP + e] * slab[e]
+            warp_sum(partials, sums)
+            if lane == 0:
+                features = T.cast(n * hidden, "float32")
+                for t in T.unroll(tokens):
+                    token = first + t
+                    if token < num_tokens:
+                        sq = partials[tokens * rows + t]
+                        rstd = T.rsqrt(T.ieee_fdiv(sq, features) + eps)
+                        base = T.cast(token, "int64") * width
+                        if backward:
+                            g_base = T.cast(token, "int64") * grad_token_stride
+                            # Σ_j g_j·mul_j, reusing the first slab slot as scratch.
+                            slab[0] = T.float32(0)
+                            for j in T.unroll(rows):
+                                g = grad[g_base + j * grad_col_stride]
+                                slab[0] = slab[0] + g * partials[t * rows + j]
+                                out[base + j] = g * rstd
+                            out[base + rows] = T.ieee_fdiv(-slab[0] * rstd, sq + eps * features)
+                        else:
+                            for j in T.unroll(rows):
+                                out[base + j] = partials[t * rows + j] * rstd
+
+    return kernel
+
+
+@jit()
+def norm_fn_grad_kernel(n: int, rows: int, vector: int, weighted: bool, threads: int = GRAD_THREADS):
+    """Grid (channel blocks, streams, token splits): ``dres[t, i, c] = Σ_j fn[j, k]·dmul[t, j] +
+    2dsq[t]·x[t, k]`` (fp32, contiguous) and ``partial[split, j, k] = Σ_{t in split} dmul[t, j]·x[t, k]``
+    (tokens in order), ``k = i·C + c``; ``coef`` is ``norm_fn_kernel``'s backward output."""
+    residual_span = T.dynamic("residual_span")
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    coef_span = T.dynamic("coef_span")
+    dres_span = T.dynamic("dres_span")
+    partial_span = T.dynamic("partial_span")
+
+    @T.prim_func
+    def kernel(
+        residual: T.Tensor((residual_span,), "bfloat16"),
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        coef: T.Tensor((coef_span,), "float32"),
+        dres: T.Tensor((dres_span,), "float32"),
+        partial: T.Tensor((partial_span,), "float32"),
+        num_tokens: T.int32,
+        hidden: T.int32,
+        split_tokens: T.int32,
+        num_splits: T.int32,
+        residual_token_stride: T.int32,
+        residual_stream_stride: T.int32,
+        residual_channel_stride: T.int32,
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(T.ceildiv(hidden, GROUP), threads), n, num_splits, threads=threads) as (
+            block,
+            stream,
+            split,
+        ):
+            tx = T.get_thread_binding()
+            xs = T.alloc_local((GROUP,), "float32")
+            slab = T.alloc_local((rows * GROUP,), "float32")
+            weight = T.alloc_local((GROUP,), "float32")
+            dmul = T.alloc_local((rows + 1,), "float32")
+            result = T.alloc_local((GROUP,), "float32")
+            dfn = T.alloc_local((rows * GROUP,), "float32")
+            group = block * threads + tx
+            groups = T.ceildiv(hidden, GROUP)
+            if group < groups:
+                load_folded_fn(
+                    fn,
+                    gamma,
+                    slab,
+                    weight,
+                    stream,
+                    group,
+                    T.cast(hidden, "int64"),
+                    fn_row_stride,
+                    T.cast(fn_col_stride, "int64"),
+                    T.cast(gamma_stride, "int64"),
+                    rows,
+                    vector,
+                    weighted,
+                )
+                for k in T.unroll(rows * GROUP):
+                    dfn[k] = T.float32(0)
+                for step in T.serial(T.min(split_tokens, num_tokens - split * split_tokens)):
+                    token = split * split_tokens + step
+                    t64 = T.cast(token, "int64")
+                    load_group(
+                        residual,
+                        xs,
+                        t64 * residual_token_stride + T.cast(stream, "int64") * residual_stream_stride,
+                        group,
+                        T.cast(residual_channel_stride, "int64"),
+                        T.cast(hidden, "int64"),
+                        0,
+                        vector,
+                    )
+                    for j in T.unroll(rows + 1):
+                        dmul[j] = coef[t64 * (rows + 1) + j]
+                    for e in T.unroll(GROUP):
+                        result[e] = dmul[rows] * xs[e]
+                        for j in T.unroll(rows):
+                            result[e] = result[e] + slab[j * GROUP + e] * dmul[j]
+                            dfn[j * GROUP + e] = dfn[j * GROUP + e] + dmul[j] * xs[e]
+                    row = (t64 * n + stream) * (hidden // vector)  # in vectors on the vector path
+                    store_group(dres, result, 0, row, group, T.cast(hidden, "int64"), vector)
+                for j in T.unroll(rows):
+                    row = ((T.cast(split, "int64") * rows + j) * n + stream) * (hidden // vector)
+                    store_group(partial, dfn, j, row, group, T.cast(hidden, "int64"), vector)
+
+    return kernel
+
+
+@jit()
+def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREADS):
+    """One thread per flattened column k: ``s_j = Σ_split partial[split, j, k]`` (split order);
+    ``dfn[j, k] = s_j·γ[k]`` and ``dγ[k] = Σ_j s_j·fn[j, k]`` (j in order) when ``weighted``, else
+    ``dfn[j, k] = s_j``."""
+    partial_span = T.dynamic("partial_span")
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    dfn_span = T.dynamic("dfn_span")
+    dgamma_span = T.dynamic("dgamma_span")
+
+    @T.prim_func
+    def kernel(
+        partial: T.Tensor((partial_span,), "float32"),
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        dfn: T.Tensor((dfn_span,), "float32"),
+        dgamma: T.Tensor((dgamma_span,), "float32"),
+        features: T.int32,
+        splits: T.int32,
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            total = T.alloc_local((2,), "float32")  # [s_j | dγ]
+            column = block * threads + tx
+            if column < features:
+                k64 = T.cast(column, "int64")
+                total[1] = T.float32(0)
+                for j in T.unroll(rows):
+                    total[0] = partial[T.cast(j, "int64") * features + k64]
+                    for split in T.serial(1, splits):
+                        total[0] = total[0] + partial[(T.cast(split, "int64") * rows + j) * features + k64]
+                    if weighted:
+                        dfn[T.cast(j, "int64") * features + k64] = total[0] * gamma[k64 * gamma_stride]
+                        total[1] = total[1] + total[0] * fn[T.cast(j, "int64") * fn_row_stride + k64 * fn_col_stride]
+                    else:
+                        dfn[T.cast(j, "int64") * features + k64] = total[0]
+                if weighted:
+                    dgamma[k64] = total[1]
+
+    return kernel
+
+
+def _vector(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None) -> int:
+    """GROUP when every group is one aligned load: C a multiple of GROUP and the residual, fn and γ
+    rows allow it (unit innermost stride, aligned base and outer strides), else 1 (scalar loads)."""
+    # Imported here: optimized/mhc.py re-exports this module's functions at its end, so a module-level
+    # import would be circular when this module is imported first.
+    from .mhc import _vector_width
+
+    hidden = residual.shape[-1]
+    if hidden % GROUP:
+        return 1
+    tensors = [(residual, hidden), (mhc_fn, mhc_fn.shape[-1])]
+    if mhc_norm_weight is not None:
+        tensors.append((mhc_norm_weight, mhc_norm_weight.shape[-1]))
+    return _vector_width(tensors, GROUP)
+
+
+def _operand_strides(residual, mhc_fn, mhc_norm_weight, vector: int) -> list[int]:
+    """Residual token / stream strides and channel stride, fn row / column strides, γ stride:
+    outer strides in vectors, innermost ones in elements (1 on the vector path)."""
+    residual_strides = [residual.stride(0) // vector, residual.stride(1) // vector, residual.stride(2)]
+    fn_strides = [mhc_fn.stride(0) // vector, mhc_fn.stride(1)]
+    gamma_stride = [mhc_norm_weight.stride(0) if mhc_norm_weight is not None else 1]
+    return residual_strides + fn_strides + gamma_stride
+
+
+def _split_tokens(tokens: int, hidden: int, n: int) -> int:
+    """Tokens per split of the backward (a function of the shape only, so the reduction order is)."""
+    channel_blocks = ceil_div(ceil_div(hidden, GROUP), GRAD_THREADS) * n
+    splits = max(1, min(ceil_div(tokens, MIN_SPLIT_TOKENS), ceil_div(TARGET_CTAS, channel_blocks)))
+    return ceil_div(tokens, splits)
+
+
+def mhc_pre_norm_fn(
+    residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None, mhc_norm_eps: float
+) -> torch.Tensor:
+    """RMS-normalised projection of the flattened streams: fp32 ``[T, m]``
+    ``(x @ (fn ⊙ γ)ᵀ) · rsqrt(Σx²/nC + eps)`` (fp32 FFMA, sums in any order within the oracle's bound)."""
+    tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    require_cuda("residual", residual)
+    require_cuda("mhc_fn", mhc_fn)
+    if mhc_norm_weight is not None:
+        require_cuda("mhc_norm_weight", mhc_norm_weight)
+    rows = mhc_fn.shape[0]
+    out = new_output(torch.empty((tokens, rows), dtype=F32, device=residual.device))
+    if out.numel() == 0:
+        return out
+    if n * hidden == 0:
+        return out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
+    vector = _vector(residual, mhc_fn, mhc_norm_weight)
+    weighted = mhc_norm_weight is not None
+    kernel = norm_fn_kernel(n, rows, vector, weighted, False)
+    if compiling_only():
+        return out
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    kernel(
+        flat_view(residual),
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        out,
+        out,
+        tokens,
+        hidden,
+        *_operand_strides(residual, mhc_fn, mhc_norm_weight, vector),
+        0,
+        0,
+        eps,
+    )
+    return out
+
+
+def mhc_pre_norm_fn_bwd(
+    grad_output: torch.Tensor,
+    residual: torch.Tensor,
+    mhc_fn: torch.Tensor,
+    mhc_norm_weight: torch.Tensor | None,
+    mhc_norm_eps: float,
+):
+    """Explicit backward of ``mhc_pre_norm_fn``: ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC],
+    dnorm_weight fp32 [nC] or None)``; dfn and dγ are summed over tokens deterministically."""
+    tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    rows = mhc_fn.shape[0]
+    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
+    check_shape("grad_output", grad_output, (tokens, rows))
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    for name, tensor in (("grad_output", grad_output), ("residual", residual), ("mhc_fn", mhc_fn)):
+        require_cuda(name, tensor)
+    weighted = mhc_norm_weight is not None
+    if weighted:
+        require_cuda("mhc_norm_weight", mhc_norm_weight)
+    device = residual.device
+    features = n * hidden
+    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=F32, device=device))
+    d_fn = new_output(torch.empty((rows, features), dtype=F32, device=device))
+    d_weight = new_output(torch.empty((features,), dtype=F32, device=device)) if weighted else None
+    if features == 0 or rows == 0:
+        return d_residual, d_fn, d_weight.zero_() if weighted else None
+    if tokens == 0:
+        return d_residual, d_fn.zero_(), d_weight.zero_() if weighted else None
+    vector = _vector(residual, mhc_fn, mhc_norm_weight)
+    split_tokens = _split_tokens(tokens, hidden, n)
+    splits = ceil_div(tokens, split_tokens)
+    stats = norm_fn_kernel(n, rows, vector, weighted, True)
+    grad = norm_fn_grad_kernel(n, rows, vector, weighted)
+    reduce = norm_fn_reduce_kernel(rows, weighted)
+    if compiling_only():
+        return d_residual, d_fn, d_weight
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
+    # Scratch, not outputs: every element is written before it is read.
+    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
+    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+    stats(
+        flat_view(residual),
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        flat_view(grad_output),
+        coef,
+        tokens,
+        hidden,
+        *strides,
+        *grad_output.stride(),
+        eps,
+    )
+    grad(
+        flat_view(residual),
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        coef,
+        d_residual,
+        partial,
+        tokens,
+        hidden,
+        split_tokens,
+        splits,
+        *strides,
+    )
+    reduce(
+        partial,
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        d_fn,
+        d_weight if weighted else d_fn,
+        features,
+        splits,
+        *mhc_fn.stride(),
+        strides[-1],
+    )
+    return d_residual, d_fn, d_weight
