@@ -299,12 +299,19 @@ def batched_device_compile(marker_dir: Path | None = None) -> Iterator[DeviceCom
 
 
 def _translation_unit(sources: list[str]) -> str:
-    """The kernels' sources in one file, each kernel renamed so that the names stay distinct."""
+    """The kernels' sources in one file: each source's leading preprocessor lines (its includes)
+    first, then its code in a namespace of its own (file-scope helpers of two kernels may share a
+    name), its ``extern "C"`` kernels renamed (their names are global in any namespace)."""
     parts = []
     for index, source in enumerate(sources):
+        lines = source.splitlines()
+        prelude = 0
+        while prelude < len(lines) and (not lines[prelude].strip() or lines[prelude].lstrip().startswith("#")):
+            prelude += 1
         names = sorted(set(_KERNEL_NAME.findall(source)))
+        parts += lines[:prelude]
         parts += [f"#define {name} {name}_tileproof_{index}" for name in names]
-        parts.append(source)
+        parts += [f"namespace tileproof_kernel_{index} {{", *lines[prelude:], "}"]
         parts += [f"#undef {name}" for name in names]
     return "\n".join(parts)
 
