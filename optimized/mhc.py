@@ -280,7 +280,7 @@ def sinkhorn_kernel(n: int, repeat: int, vector: int, threads: int = TOKEN_THREA
                 for k in T.unroll(n * n):
                     p[k] = p[k] + eps
                 for step in T.unroll(steps):
-                    normalize(p, denominators, eps, step, n, True)
+                    normalize(p, denominators, eps, step, n, False)
                 store_matrix(out, p, token, n, 4 if n * n % 4 == 0 else 1)
 
     return kernel

@@ -98,10 +98,10 @@ SIGMOID_BOUND = 2.0**-18
 SIGMOID_GRAD_BOUND = 2.0**-15
 SIGMOID_GRAD_Z = 4.5  # the bound's premise: |z| of the backward cases
 # Sinkhorn: softmax (fast exp, ≤ 2^-20 relative) then 2R − 1 normalisations, each a sum of n
-# positive terms and a division (≤ (n + 1)·2^-24 relative per step). The iteration contracts
-# perturbations, so errors do not compound beyond this linear count; a margin of 4 covers the
-# measured worst case (≈ 1e-6 at R = 20).
-SINKHORN_BOUND = 2.0**-20 + 4 * (2 * max(REPEATS)) * (N + 1) * U32
+# positive terms, a reciprocal and a product (≤ (n + 2)·2^-24 relative per step; an implementation
+# dividing exactly stays within (n + 1)·2^-24). The iteration contracts perturbations, so errors do
+# not compound beyond this linear count; a margin of 4 covers the measured worst case (≈ 1e-6 at R = 20).
+SINKHORN_BOUND = 2.0**-20 + 4 * (2 * max(REPEATS)) * (N + 2) * U32
 # Its backward walks the 2R − 1 steps in reverse, each a cancelling n-term sum of O(1) gradients;
 # atol: gradients of the logits near zero are compared absolutely at the scale of the upstream
 # gradient (O(1)).
@@ -603,8 +603,9 @@ class Sinkhorn(MhcOp):
         Output(
             "comb",
             RelativeError(SINKHORN_BOUND, atol=2.0**-10),
-            "softmax (fast exp ≤ 2^-20) then 2R − 1 fp32 normalisations of n-term positive sums, each ≤ (n + 1)·2^-24; "
-            "the iteration contracts errors, so 4·2R·(n + 1)·2^-24 covers R ≤ 20 (atol 2^-10: entries far below "
+            "softmax (fast exp ≤ 2^-20) then 2R − 1 fp32 normalisations (n-term positive sum, reciprocal, product), "
+            "each ≤ (n + 2)·2^-24; "
+            "the iteration contracts errors, so 4·2R·(n + 2)·2^-24 covers R ≤ 20 (atol 2^-10: entries far below "
             "their column's mass)",
         ),
     )
