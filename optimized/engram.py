@@ -42,7 +42,13 @@ import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
-from tileproof.reference.engram import check_gate_inputs, check_unit_last_stride
+from tileproof.reference.engram import (
+    check_gate_bwd_inputs,
+    check_gate_inputs,
+    check_hash_inputs,
+    check_hash_values,
+    check_unit_last_stride,
+)
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 
@@ -158,18 +164,6 @@ def hash_kernel(threads: int = HASH_THREADS):
     return kernel
 
 
-def _check_hash_values(ngram_token_ids, vocab_sizes, offsets) -> None:
-    """The reference's value checks. They read the (small) tables and the ids' minimum back to
-    the host: a table size of 0 would otherwise be a division by zero on the device."""
-    if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
-        raise ValueError(f"vocab_sizes must be positive, got minimum {int(vocab_sizes.min())}")
-    if ngram_token_ids.numel() and int(ngram_token_ids.min()) < 0:
-        raise ValueError(f"ngram_token_ids must be non-negative, got minimum {int(ngram_token_ids.min())}")
-    flat_vocab = vocab_sizes.reshape(vocab_sizes.shape[0], -1).to(torch.int64)
-    if offsets.numel() and int((offsets.to(torch.int64) + flat_vocab).max()) - 1 > _INT32_MAX:
-        raise ValueError("offsets + vocab_sizes must fit in int32 (the last row of a table is offset + vocab - 1)")
-
-
 def engram_hash(
     ngram_token_ids: torch.Tensor,
     multipliers: torch.Tensor,
@@ -178,19 +172,9 @@ def engram_hash(
 ) -> torch.Tensor:
     """Hashed n-gram ids → flat embedding-table rows; same contract as
     ``tileproof.reference.engram.engram_hash``, bit for bit (any strides of the ids)."""
-    check_tensor("ngram_token_ids", ngram_token_ids, dtypes=(torch.int32,), ndim=2)
-    check_tensor("multipliers", multipliers, dtypes=(torch.int64,), ndim=2)
-    check_tensor("vocab_sizes", vocab_sizes, dtypes=(torch.int32,), ndim=3)
-    check_tensor("offsets", offsets, dtypes=(torch.int32,), ndim=2)
-    tokens, max_ngram = ngram_token_ids.shape
-    layers, _, tables = vocab_sizes.shape
-    if max_ngram < 2:
-        raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
-    check_shape("multipliers", multipliers, (layers, max_ngram))
-    check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
-    check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
+    tokens, max_ngram, layers, tables = check_hash_inputs(ngram_token_ids, multipliers, vocab_sizes, offsets)
     if not compiling_only():  # a compile-only pass gets uninitialized inputs
-        _check_hash_values(ngram_token_ids, vocab_sizes, offsets)
+        check_hash_values(ngram_token_ids, vocab_sizes, offsets)
     require_cuda("ngram_token_ids", ngram_token_ids)
 
     columns = (max_ngram - 1) * tables
@@ -710,16 +694,8 @@ def engram_gate_bwd(
     """Explicit backward of ``engram_gate_fwd``; same contract as
     ``tileproof.reference.engram.engram_gate_bwd`` (block ``p`` of ``dw_partial`` owns tokens
     ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds."""
-    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
-    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
-    check_shape("grad_out", grad_out, (tokens, streams, hidden))
-    check_unit_last_stride("grad_out", grad_out)
-    for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
-        check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        check_shape(name, value, (tokens, streams))
-    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
-    if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
-        raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
+    clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
+    tokens, streams, hidden = x.shape
     require_cuda("x", x)
 
     device = x.device

@@ -27,8 +27,7 @@ Design:
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import check_nonnegative_float, check_positive_int, check_shape, check_tensor
-from tileproof.reference.mhc import check_list_entries, check_residual, check_tensor_list
+from tileproof.reference.mhc import check_big_fuse_inputs, check_list_entries, check_residual, check_tensor_list
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 from .mhc import (
@@ -330,23 +329,19 @@ def mhc_pre_big_fuse(
     the optimized norm-fn (norm weight folded), split, Sinkhorn and pre-apply run one by one."""
     from .mhc_norm import mhc_pre_norm_fn  # the norm-fn GEMM's module; imported here so this one loads alone
 
-    tokens, n, hidden = check_residual("residual", residual)
-    m3 = n * n + 2 * n
-    check_tensor("fn", fn, dtypes=(F32,), ndim=2)
-    check_shape("fn", fn, (m3, n * hidden))
-    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
-    check_shape("mhc_scale", mhc_scale, (3,))
-    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
-    check_shape("mhc_base", mhc_base, (m3,))
-    if mhc_norm_weight is not None:
-        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
-        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
-    rms_eps = check_nonnegative_float("rms_eps", rms_eps)
-    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
-    sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
-    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
-    repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    check_positive_int("n_splits", n_splits)
+    n, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat = check_big_fuse_inputs(
+        residual,
+        fn,
+        mhc_scale,
+        mhc_base,
+        mhc_norm_weight,
+        rms_eps,
+        mhc_pre_eps,
+        mhc_sinkhorn_eps,
+        mhc_post_mult_value,
+        sinkhorn_repeat,
+        n_splits,
+    )
 
     mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
     pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)

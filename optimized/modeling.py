@@ -35,11 +35,11 @@ from tileproof.reference import modeling as reference_modeling
 from tileproof.reference.contract import check_nonnegative_float, check_positive_int, check_shape, check_tensor
 from tileproof.reference.modeling import (
     STORAGE_DTYPES,
-    _check_coefficients,
-    _check_main_grad,
-    _check_mult,
-    _check_parameter,
-    _check_streams,
+    check_coefficients,
+    check_main_grad,
+    check_mult,
+    check_parameter,
+    check_streams,
     math_dtype,
 )
 
@@ -151,18 +151,18 @@ def engram_gate(
     Returns:
         ``[..., n, D]`` bf16, contiguous.
     """
-    streams, hidden = _check_streams("hidden_states", hidden_states)
+    streams, hidden = check_streams("hidden_states", hidden_states)
     dtype = hidden_states.dtype
     lead = tuple(hidden_states.shape[:-2])
-    _check_parameter("k", k, dtype, (*lead, streams, hidden))
-    _check_parameter("v", v, dtype, (*lead, hidden))
-    _check_parameter("weight_hidden", weight_hidden, dtype, (streams, hidden))
-    _check_parameter("weight_embed", weight_embed, dtype, (streams, hidden))
+    check_parameter("k", k, dtype, (*lead, streams, hidden))
+    check_parameter("v", v, dtype, (*lead, hidden))
+    check_parameter("weight_hidden", weight_hidden, dtype, (streams, hidden))
+    check_parameter("weight_embed", weight_embed, dtype, (streams, hidden))
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     eps = check_nonnegative_float("eps", eps)
     compute = math_dtype(dtype)
-    _check_main_grad("weight_hidden", weight_hidden, compute)
-    _check_main_grad("weight_embed", weight_embed, compute)
+    check_main_grad("weight_hidden", weight_hidden, compute)
+    check_main_grad("weight_embed", weight_embed, compute)
     _require_bf16("hidden_states", hidden_states)
 
     tokens = math.prod(lead)
@@ -269,10 +269,10 @@ def mhc_pre(
     Returns:
         ``(layer_input [..., C] bf16, (post_mix [..., n], comb_mix [..., n, n]))``, the mixes fp32.
     """
-    n, hidden = _check_streams("residual", residual)
+    n, hidden = check_streams("residual", residual)
     m3 = n * n + 2 * n
-    _check_mult(mhc_mult, n)
-    _check_coefficients(residual, fn, scale, base, norm_weight, m3, 3, m3)
+    check_mult(mhc_mult, n)
+    check_coefficients(residual, fn, scale, base, norm_weight, m3, 3, m3)
     check_shape("fn", fn, (m3, n * hidden))
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     post_mult_value = check_nonnegative_float("post_mult_value", post_mult_value)
@@ -325,12 +325,12 @@ def mhc_post(
 ) -> torch.Tensor:
     """mHC after one sublayer on our kernels; same contract as ``tileproof.reference.modeling.mhc_post``
     for bf16 streams: ``[..., n, C]`` bf16, contiguous."""
-    n, hidden = _check_streams("residual", residual)
+    n, hidden = check_streams("residual", residual)
     lead = tuple(residual.shape[:-2])
     compute = math_dtype(residual.dtype)
-    _check_parameter("x", x, residual.dtype, (*lead, hidden))
-    _check_parameter("post_layer_mix", post_layer_mix, compute, (*lead, n))
-    _check_parameter("comb_res_mix", comb_res_mix, compute, (*lead, n, n))
+    check_parameter("x", x, residual.dtype, (*lead, hidden))
+    check_parameter("post_layer_mix", post_layer_mix, compute, (*lead, n))
+    check_parameter("comb_res_mix", comb_res_mix, compute, (*lead, n, n))
     _require_bf16("residual", residual)
     tokens = math.prod(lead)
     out = _MHCPostFunction.apply(
@@ -389,10 +389,10 @@ def mhc_head(
 ) -> torch.Tensor:
     """mHC before the LM head on our kernels; same contract as ``tileproof.reference.modeling.mhc_head``
     for bf16 streams: ``[..., C]`` bf16."""
-    n, hidden = _check_streams("residual", residual)
-    _check_mult(mhc_mult, n)
+    n, hidden = check_streams("residual", residual)
+    check_mult(mhc_mult, n)
     scale_checked = scale.reshape(1) if isinstance(scale, torch.Tensor) and scale.dim() == 0 else scale
-    _check_coefficients(residual, fn, scale_checked, base, norm_weight, n, 1, n)
+    check_coefficients(residual, fn, scale_checked, base, norm_weight, n, 1, n)
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     pre_eps = check_nonnegative_float("pre_eps", pre_eps)
     check_positive_int("n_splits", n_splits)

@@ -79,9 +79,52 @@ def check_gate_inputs(x, k, v, w) -> tuple[int, int, int]:
     return tokens, streams, hidden
 
 
+def check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials) -> float:
+    """``engram_gate_bwd``'s arguments (both twins); returns ``clamp_value`` as a float."""
+    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
+    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
+    check_shape("grad_out", grad_out, (tokens, streams, hidden))
+    check_unit_last_stride("grad_out", grad_out)
+    for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
+        check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
+        check_shape(name, value, (tokens, streams))
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
+    if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
+        raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
+    return clamp_value
+
+
 # ---------------------------------------------------------------------------------------------
 # Hash
 # ---------------------------------------------------------------------------------------------
+
+
+def check_hash_inputs(ngram_token_ids, multipliers, vocab_sizes, offsets) -> tuple[int, int, int, int]:
+    """``engram_hash``'s dtypes and shapes (both twins): ``(T, N, L, M)``."""
+    check_tensor("ngram_token_ids", ngram_token_ids, dtypes=(torch.int32,), ndim=2)
+    check_tensor("multipliers", multipliers, dtypes=(torch.int64,), ndim=2)
+    check_tensor("vocab_sizes", vocab_sizes, dtypes=(torch.int32,), ndim=3)
+    check_tensor("offsets", offsets, dtypes=(torch.int32,), ndim=2)
+    tokens, max_ngram = ngram_token_ids.shape
+    layers, _, tables = vocab_sizes.shape
+    if max_ngram < 2:
+        raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
+    check_shape("multipliers", multipliers, (layers, max_ngram))
+    check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
+    check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
+    return tokens, max_ngram, layers, tables
+
+
+def check_hash_values(ngram_token_ids, vocab_sizes, offsets) -> None:
+    """``engram_hash``'s value checks (both twins). They read the minimum of the ids and of the
+    (small) tables back to the host: a table size of 0 would be a division by zero on a device."""
+    if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
+        raise ValueError(f"vocab_sizes must be positive, got minimum {int(vocab_sizes.min())}")
+    if ngram_token_ids.numel() and int(ngram_token_ids.min()) < 0:
+        raise ValueError(f"ngram_token_ids must be non-negative, got minimum {int(ngram_token_ids.min())}")
+    flat_vocab = rearrange(vocab_sizes, "l n m -> l (n m)").to(torch.int64)
+    if offsets.numel() and int((offsets.to(torch.int64) + flat_vocab).max()) - 1 > _INT32_MAX:
+        raise ValueError("offsets + vocab_sizes must fit in int32 (the last row of a table is offset + vocab - 1)")
 
 
 def engram_hash(
@@ -104,24 +147,8 @@ def engram_hash(
         order ``n``: ``(XOR_{i<n} id_i·mult_i  mod  vocab) + offset``, products wrapping in int64,
         floored modulo.
     """
-    check_tensor("ngram_token_ids", ngram_token_ids, dtypes=(torch.int32,), ndim=2)
-    check_tensor("multipliers", multipliers, dtypes=(torch.int64,), ndim=2)
-    check_tensor("vocab_sizes", vocab_sizes, dtypes=(torch.int32,), ndim=3)
-    check_tensor("offsets", offsets, dtypes=(torch.int32,), ndim=2)
-    tokens, max_ngram = ngram_token_ids.shape
-    layers, _, tables = vocab_sizes.shape
-    if max_ngram < 2:
-        raise ValueError(f"ngram_token_ids must have at least 2 columns (N >= 2), got {max_ngram}")
-    check_shape("multipliers", multipliers, (layers, max_ngram))
-    check_shape("vocab_sizes", vocab_sizes, (layers, max_ngram - 1, tables))
-    check_shape("offsets", offsets, (layers, (max_ngram - 1) * tables))
-    if vocab_sizes.numel() and int(vocab_sizes.min()) <= 0:
-        raise ValueError(f"vocab_sizes must be positive, got minimum {int(vocab_sizes.min())}")
-    if ngram_token_ids.numel() and int(ngram_token_ids.min()) < 0:
-        raise ValueError(f"ngram_token_ids must be non-negative, got minimum {int(ngram_token_ids.min())}")
-    flat_vocab = rearrange(vocab_sizes, "l n m -> l (n m)").to(torch.int64)
-    if offsets.numel() and int((offsets.to(torch.int64) + flat_vocab).max()) - 1 > _INT32_MAX:
-        raise ValueError("offsets + vocab_sizes must fit in int32 (the last row of a table is offset + vocab - 1)")
+    tokens, max_ngram, layers, tables = check_hash_inputs(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    check_hash_values(ngram_token_ids, vocab_sizes, offsets)
 
     # products[l, t, i] = id[t, i] · mult[l, i], int64, wrapping on overflow.
     products = rearrange(ngram_token_ids.to(torch.int64), "t i -> 1 t i") * rearrange(multipliers, "l i -> l 1 i")
@@ -289,16 +316,7 @@ def engram_gate_bwd(
         ``(dx, dk, dv, dw_partial)``: bf16 ``[T, n, D]``, bf16 ``[T, n, D]``, bf16 ``[T, D]`` (all
         contiguous; fp32 math rounded once) and fp32 ``[P, n, D]`` partial sums of ``β·x⊙k``.
     """
-    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
-    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=3)
-    check_shape("grad_out", grad_out, (tokens, streams, hidden))
-    check_unit_last_stride("grad_out", grad_out)
-    for name, value in (("dot", dot), ("gate", gate), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
-        check_tensor(name, value, dtypes=(torch.float32,), ndim=2)
-        check_shape(name, value, (tokens, streams))
-    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
-    if isinstance(num_partials, bool) or not isinstance(num_partials, int) or num_partials < 1:
-        raise ValueError(f"num_partials must be a positive int, got {num_partials!r}")
+    clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
 
     f32 = torch.float32
     dx, dk, dv, dw_partial = gate_backward_math(

@@ -556,6 +556,40 @@ def mhc_pre_norm_fn_bwd(
 # ---------------------------------------------------------------------------------------------
 
 
+def check_big_fuse_inputs(
+    residual,
+    fn,
+    mhc_scale,
+    mhc_base,
+    mhc_norm_weight,
+    rms_eps,
+    mhc_pre_eps,
+    mhc_sinkhorn_eps,
+    mhc_post_mult_value,
+    sinkhorn_repeat,
+    n_splits,
+) -> tuple[int, float, float, float, float, int]:
+    """``mhc_pre_big_fuse``'s arguments (both twins): ``(n, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat)``."""
+    tokens, n, hidden = check_residual("residual", residual)
+    m3 = n * n + 2 * n
+    check_tensor("fn", fn, dtypes=(F32,), ndim=2)
+    check_shape("fn", fn, (m3, n * hidden))
+    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
+    check_shape("mhc_scale", mhc_scale, (3,))
+    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
+    check_shape("mhc_base", mhc_base, (m3,))
+    if mhc_norm_weight is not None:
+        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
+        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
+    rms_eps = check_nonnegative_float("rms_eps", rms_eps)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
+    sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
+    repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
+    check_positive_int("n_splits", n_splits)
+    return n, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat
+
+
 def mhc_pre_big_fuse(
     residual: torch.Tensor,
     fn: torch.Tensor,
@@ -596,23 +630,19 @@ def mhc_pre_big_fuse(
         comb_mix is after Sinkhorn, indexed [source, destination]. (TileKernels returns post_mix as
         ``[..., n, 1]``; this twin keeps ``[T, n]``, the shape ``mhc_post`` takes.)
     """
-    tokens, n, hidden = check_residual("residual", residual)
-    m3 = n * n + 2 * n
-    check_tensor("fn", fn, dtypes=(F32,), ndim=2)
-    check_shape("fn", fn, (m3, n * hidden))
-    check_tensor("mhc_scale", mhc_scale, dtypes=(F32,), ndim=1)
-    check_shape("mhc_scale", mhc_scale, (3,))
-    check_tensor("mhc_base", mhc_base, dtypes=(F32,), ndim=1)
-    check_shape("mhc_base", mhc_base, (m3,))
-    if mhc_norm_weight is not None:
-        check_tensor("mhc_norm_weight", mhc_norm_weight, dtypes=(F32,), ndim=1)
-        check_shape("mhc_norm_weight", mhc_norm_weight, (n * hidden,))
-    rms_eps = check_nonnegative_float("rms_eps", rms_eps)
-    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
-    sinkhorn_eps = check_nonnegative_float("mhc_sinkhorn_eps", mhc_sinkhorn_eps)
-    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
-    repeat = check_positive_int("sinkhorn_repeat", sinkhorn_repeat)
-    check_positive_int("n_splits", n_splits)
+    n, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat = check_big_fuse_inputs(
+        residual,
+        fn,
+        mhc_scale,
+        mhc_base,
+        mhc_norm_weight,
+        rms_eps,
+        mhc_pre_eps,
+        mhc_sinkhorn_eps,
+        mhc_post_mult_value,
+        sinkhorn_repeat,
+        n_splits,
+    )
 
     mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
     pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)

@@ -82,7 +82,7 @@ def math_dtype(storage_dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_streams(name: str, value: torch.Tensor) -> tuple[int, int]:
+def check_streams(name: str, value: torch.Tensor) -> tuple[int, int]:
     """A ``[..., n, C]`` tensor of a storage dtype; returns ``(n, C)``."""
     check_tensor(name, value, dtypes=STORAGE_DTYPES)
     if value.dim() < 2:
@@ -90,12 +90,12 @@ def _check_streams(name: str, value: torch.Tensor) -> tuple[int, int]:
     return value.shape[-2], value.shape[-1]
 
 
-def _check_parameter(name: str, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def check_parameter(name: str, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     check_tensor(name, value, dtypes=(dtype,), ndim=len(shape))
     check_shape(name, value, shape)
 
 
-def _check_mult(mhc_mult, streams: int) -> int:
+def check_mult(mhc_mult, streams: int) -> int:
     n = check_positive_int("mhc_mult", mhc_mult)
     if n != streams:
         raise ValueError(f"mhc_mult must equal the number of streams residual.shape[-2] = {streams}, got {n}")
@@ -128,10 +128,10 @@ class _RouteToMainGrad(torch.autograd.Function):
         return None, None
 
 
-def _check_main_grad(name: str, param: torch.Tensor, dtype: torch.dtype) -> None:
+def check_main_grad(name: str, param: torch.Tensor, dtype: torch.dtype) -> None:
     main_grad = getattr(param, "main_grad", None)
     if main_grad is not None:
-        _check_parameter(f"{name}.main_grad", main_grad, dtype, tuple(param.shape))
+        check_parameter(f"{name}.main_grad", main_grad, dtype, tuple(param.shape))
 
 
 def engram_gate(
@@ -160,18 +160,18 @@ def engram_gate(
     Returns:
         ``[..., n, D]`` in the dtype of ``hidden_states``, contiguous: the math dtype's result rounded once.
     """
-    streams, hidden = _check_streams("hidden_states", hidden_states)
+    streams, hidden = check_streams("hidden_states", hidden_states)
     dtype = hidden_states.dtype
     lead = tuple(hidden_states.shape[:-2])
-    _check_parameter("k", k, dtype, (*lead, streams, hidden))
-    _check_parameter("v", v, dtype, (*lead, hidden))
-    _check_parameter("weight_hidden", weight_hidden, dtype, (streams, hidden))
-    _check_parameter("weight_embed", weight_embed, dtype, (streams, hidden))
+    check_parameter("k", k, dtype, (*lead, streams, hidden))
+    check_parameter("v", v, dtype, (*lead, hidden))
+    check_parameter("weight_hidden", weight_hidden, dtype, (streams, hidden))
+    check_parameter("weight_embed", weight_embed, dtype, (streams, hidden))
     clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
     eps = check_nonnegative_float("eps", eps)
     compute = math_dtype(dtype)
-    _check_main_grad("weight_hidden", weight_hidden, compute)
-    _check_main_grad("weight_embed", weight_embed, compute)
+    check_main_grad("weight_hidden", weight_hidden, compute)
+    check_main_grad("weight_embed", weight_embed, compute)
 
     fused = _RouteToMainGrad.apply(weight_hidden, compute) * _RouteToMainGrad.apply(weight_embed, compute)
     x = hidden_states.reshape(-1, streams, hidden).to(compute)
@@ -232,17 +232,17 @@ def expand_from_embedding(x: torch.Tensor, mhc_mult: int = 4) -> torch.Tensor:
     return streams.to(x.dtype).contiguous()
 
 
-def _check_coefficients(residual, fn, scale, base, norm_weight, rows: int, scale_size: int, base_size: int):
+def check_coefficients(residual, fn, scale, base, norm_weight, rows: int, scale_size: int, base_size: int):
     """Validate the parameters of one mHC site against ``residual [..., n, C]``; returns the math dtype."""
-    n, hidden = _check_streams("residual", residual)
+    n, hidden = check_streams("residual", residual)
     compute = math_dtype(residual.dtype)
     check_tensor("fn", fn, dtypes=(compute,), ndim=2)
     if fn.shape[0] < rows or fn.shape[1] != n * hidden:
         raise ValueError(f"fn must have shape ({rows}, {n * hidden}), got {tuple(fn.shape)}")
-    _check_parameter("scale", scale, compute, (scale_size,))
-    _check_parameter("base", base, compute, (base_size,))
+    check_parameter("scale", scale, compute, (scale_size,))
+    check_parameter("base", base, compute, (base_size,))
     if norm_weight is not None:
-        _check_parameter("norm_weight", norm_weight, compute, (n * hidden,))
+        check_parameter("norm_weight", norm_weight, compute, (n * hidden,))
     return compute
 
 
@@ -283,10 +283,10 @@ def mhc_pre(
         gradients disabled and bf16 streams the result comes from ``mhc_pre_big_fuse`` (norm weight
         included), bit-identical to the differentiable path.
     """
-    n, hidden = _check_streams("residual", residual)
+    n, hidden = check_streams("residual", residual)
     m3 = n * n + 2 * n
-    _check_mult(mhc_mult, n)
-    compute = _check_coefficients(residual, fn, scale, base, norm_weight, m3, 3, m3)
+    check_mult(mhc_mult, n)
+    compute = check_coefficients(residual, fn, scale, base, norm_weight, m3, 3, m3)
     check_shape("fn", fn, (m3, n * hidden))
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     post_mult_value = check_nonnegative_float("post_mult_value", post_mult_value)
@@ -339,12 +339,12 @@ def mhc_post(
     Returns:
         ``[..., n, C]`` in the storage dtype, contiguous, rounded once.
     """
-    n, hidden = _check_streams("residual", residual)
+    n, hidden = check_streams("residual", residual)
     lead = tuple(residual.shape[:-2])
     compute = math_dtype(residual.dtype)
-    _check_parameter("x", x, residual.dtype, (*lead, hidden))
-    _check_parameter("post_layer_mix", post_layer_mix, compute, (*lead, n))
-    _check_parameter("comb_res_mix", comb_res_mix, compute, (*lead, n, n))
+    check_parameter("x", x, residual.dtype, (*lead, hidden))
+    check_parameter("post_layer_mix", post_layer_mix, compute, (*lead, n))
+    check_parameter("comb_res_mix", comb_res_mix, compute, (*lead, n, n))
     out = mhc.post_forward_math(
         x.reshape(-1, hidden).to(compute),
         residual.reshape(-1, n, hidden).to(compute),
@@ -376,11 +376,11 @@ def mhc_head(
     Returns:
         ``[..., C]`` in the storage dtype: ``Σ_i w_i·X[i]`` rounded once.
     """
-    n, hidden = _check_streams("residual", residual)
-    _check_mult(mhc_mult, n)
+    n, hidden = check_streams("residual", residual)
+    check_mult(mhc_mult, n)
     if isinstance(scale, torch.Tensor) and scale.dim() == 0:
         scale = scale.reshape(1)  # TileKernels accepts a scalar tensor as well as [1]
-    compute = _check_coefficients(residual, fn, scale, base, norm_weight, n, 1, n)
+    compute = check_coefficients(residual, fn, scale, base, norm_weight, n, 1, n)
     norm_eps = check_nonnegative_float("norm_eps", norm_eps)
     pre_eps = check_nonnegative_float("pre_eps", pre_eps)
     check_positive_int("n_splits", n_splits)
