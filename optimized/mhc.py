@@ -463,6 +463,49 @@ def store_channels(dst, raw, values, offset, column, slot, columns, vector: int)
             dst[(offset + column) * vector + e] = raw[e]
 
 
+@T.macro
+def load_streams(
+    residual, streams, row, residual_stream_stride, channel_stride, column, item, items, columns, n: int, vector: int
+):
+    """Vector ``column`` of the token's n streams (stream i at ``row + i·residual_stream_stride``) →
+    ``streams[(i·items + item)·vector + e]`` (``load_channels`` each)."""
+    for i in T.unroll(n):
+        load_channels(
+            residual,
+            streams,
+            row + i * residual_stream_stride,
+            column,
+            channel_stride,
+            i * items + item,
+            columns,
+            vector,
+        )
+
+
+@T.macro
+def pre_mix_item(mixed, streams, pre, item, items, n: int, vector: int):
+    """``mixed[item·vector + e] = Σ_i pre[i]·X_i`` in fp32, i in order (the pre-apply)."""
+    for e in T.unroll(vector):
+        mixed[item * vector + e] = pre[0] * widen(streams[item * vector + e])
+        for i in T.unroll(1, n):
+            mixed[item * vector + e] = mixed[item * vector + e] + pre[i] * widen(
+                streams[(i * items + item) * vector + e]
+            )
+
+
+@T.macro
+def post_mix_item(mixed, streams, y, post, weights, o, item, items, n: int, vector: int):
+    """``mixed[item·vector + e] = post[o]·y + Σ_i comb[i, o]·X_i`` in fp32 for output stream o: the sum
+    over i in order first, then the post term (the reference's order); ``weights[i·n + o] = comb[i, o]``."""
+    for e in T.unroll(vector):
+        mixed[item * vector + e] = weights[o] * widen(streams[item * vector + e])
+        for i in T.unroll(1, n):
+            mixed[item * vector + e] = mixed[item * vector + e] + weights[i * n + o] * widen(
+                streams[(i * items + item) * vector + e]
+            )
+        mixed[item * vector + e] = post[o] * widen(y[item * vector + e]) + mixed[item * vector + e]
+
+
 def _stream_vector(hidden: int, *tensors) -> int:
     """8 (16-byte vectors of bf16 channels) when C and every stream tensor allow it, else 1."""
     if hidden % BF16_VECTOR:
@@ -551,27 +594,23 @@ def post_kernel(n: int, vector: int, items: int = POST_ITEMS, threads: int = STR
                     hidden_vectors,
                     vector,
                 )
-                for i in T.unroll(n):
-                    load_channels(
-                        residual,
-                        streams,
-                        t64 * residual_token_stride + i * residual_stream_stride,
-                        column,
-                        T.cast(residual_channel_stride, "int64"),
-                        i * items + item,
-                        hidden_vectors,
-                        vector,
-                    )
+                load_streams(
+                    residual,
+                    streams,
+                    t64 * residual_token_stride,
+                    residual_stream_stride,
+                    T.cast(residual_channel_stride, "int64"),
+                    column,
+                    item,
+                    items,
+                    hidden_vectors,
+                    n,
+                    vector,
+                )
             for o in T.unroll(n):
                 for item in T.unroll(items):
                     column = (block * items + item) * threads + tx
-                    for e in T.unroll(vector):
-                        mixed[item * vector + e] = weights[o] * widen(streams[item * vector + e])
-                        for i in T.unroll(1, n):
-                            mixed[item * vector + e] = mixed[item * vector + e] + weights[i * n + o] * widen(
-                                streams[(i * items + item) * vector + e]
-                            )
-                        mixed[item * vector + e] = post[o] * widen(y[item * vector + e]) + mixed[item * vector + e]
+                    post_mix_item(mixed, streams, y, post, weights, o, item, items, n, vector)
                     store_channels(
                         out, raw, mixed, (t64 * n + o) * hidden_vectors, column, item, hidden_vectors, vector
                     )
@@ -740,25 +779,22 @@ def apply_mix_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: in
                 weights[i] = mix[t64 * mix_token_stride + i * mix_stream_stride]
             for item in T.unroll(items):
                 column = (block * items + item) * threads + tx
-                for i in T.unroll(n):
-                    load_channels(
-                        residual,
-                        streams,
-                        t64 * residual_token_stride + i * residual_stream_stride,
-                        column,
-                        T.cast(residual_channel_stride, "int64"),
-                        i * items + item,
-                        hidden_vectors,
-                        vector,
-                    )
+                load_streams(
+                    residual,
+                    streams,
+                    t64 * residual_token_stride,
+                    residual_stream_stride,
+                    T.cast(residual_channel_stride, "int64"),
+                    column,
+                    item,
+                    items,
+                    hidden_vectors,
+                    n,
+                    vector,
+                )
             for item in T.unroll(items):
                 column = (block * items + item) * threads + tx
-                for e in T.unroll(vector):
-                    mixed[item * vector + e] = weights[0] * widen(streams[item * vector + e])
-                    for i in T.unroll(1, n):
-                        mixed[item * vector + e] = mixed[item * vector + e] + weights[i] * widen(
-                            streams[(i * items + item) * vector + e]
-                        )
+                pre_mix_item(mixed, streams, weights, item, items, n, vector)
                 store_channels(out, raw, mixed, t64 * hidden_vectors, column, item, hidden_vectors, vector)
 
     return kernel

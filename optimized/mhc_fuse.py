@@ -37,11 +37,13 @@ from .mhc import (
     _stream_vector,
     apply_mix_kernel,
     load_channels,
+    load_streams,
     mhc_pre_apply_mix,
     mhc_pre_split_mixes,
+    post_mix_item,
+    pre_mix_item,
     sinkhorn_normalize,
     store_channels,
-    widen,
 )
 
 __all__ = ["mhc_pre_big_fuse", "mhc_multilayer_recompute"]
@@ -125,38 +127,29 @@ def apply_post_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: i
                     hidden_vectors,
                     vector,
                 )
-                for i in T.unroll(n):
-                    load_channels(
-                        residual,
-                        streams,
-                        t64 * residual_token_stride + i * residual_stream_stride,
-                        column,
-                        T.cast(residual_channel_stride, "int64"),
-                        i * items + item,
-                        hidden_vectors,
-                        vector,
-                    )
+                load_streams(
+                    residual,
+                    streams,
+                    t64 * residual_token_stride,
+                    residual_stream_stride,
+                    T.cast(residual_channel_stride, "int64"),
+                    column,
+                    item,
+                    items,
+                    hidden_vectors,
+                    n,
+                    vector,
+                )
             for item in T.unroll(items):
                 column = (block * items + item) * threads + tx
-                for e in T.unroll(vector):
-                    mixed[item * vector + e] = pre[0] * widen(streams[item * vector + e])
-                    for i in T.unroll(1, n):
-                        mixed[item * vector + e] = mixed[item * vector + e] + pre[i] * widen(
-                            streams[(i * items + item) * vector + e]
-                        )
+                pre_mix_item(mixed, streams, pre, item, items, n, vector)
                 store_channels(
                     layer_input, raw, mixed, t64 * layer_input_token_stride, column, item, hidden_vectors, vector
                 )
             for o in T.unroll(n):
                 for item in T.unroll(items):
                     column = (block * items + item) * threads + tx
-                    for e in T.unroll(vector):
-                        mixed[item * vector + e] = weights[o] * widen(streams[item * vector + e])
-                        for i in T.unroll(1, n):
-                            mixed[item * vector + e] = mixed[item * vector + e] + weights[i * n + o] * widen(
-                                streams[(i * items + item) * vector + e]
-                            )
-                        mixed[item * vector + e] = post[o] * widen(y[item * vector + e]) + mixed[item * vector + e]
+                    post_mix_item(mixed, streams, y, post, weights, o, item, items, n, vector)
                     store_channels(
                         out,
                         raw,
