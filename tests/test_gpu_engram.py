@@ -186,6 +186,7 @@ GATE_BWD_CASES = [
     (133, 1280, "fused", 132, spec.CLAMP, 0),
     (3, 4096, "contiguous", 2, spec.CLAMP, 0),
     (5, 7168, "fused", 3, spec.CLAMP, 8),
+    (6, 5000, "fused", 2, 0.3, 0),  # wide row with a tail: 625 vectors over 160 threads x 4
     (4001, 4096, "fused", 132, spec.CLAMP, 0),
     (4001, 4096, "fused", 114, 0.3, 8),
     (8192, 4096, "fused", 132, spec.CLAMP, 0),
