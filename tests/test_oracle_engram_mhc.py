@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import sys
 import types
 
 import pytest
@@ -51,17 +50,11 @@ BITWISE_OUTPUTS = {("engram_hash", "rows"), ("fused_weight", "w"), ("expand_to_m
 BITWISE_OUTPUTS |= {("mhc_multilayer_recompute", "layer_inputs"), ("mhc_multilayer_recompute", "residuals")}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def families():
-    """Import the two family modules with the registry swapped for a copy, restored afterwards."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(registry, "_OPS", dict(registry._OPS))
-        patch.setattr(registry, "_CASES", dict(registry._CASES))
-        imported = [name for name in FAMILIES if name not in sys.modules]
-        modules = {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in FAMILIES}
-        yield modules
-        for name in imported:
-            sys.modules.pop(name, None)
+    """The two family modules, registered with the others (``registry.FAMILY_MODULES``)."""
+    registry.all_ops()
+    return {name.rsplit(".", 1)[1]: importlib.import_module(name) for name in FAMILIES}
 
 
 def _failures(checks):
