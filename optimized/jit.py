@@ -86,6 +86,8 @@ class KernelFactory:
         self.__wrapped__ = compiler
 
     def __call__(self, *args, **kwargs):
+        if outputs_only_active():
+            return _UnlaunchableKernel(f"{self.__name__}{args}")
         batch = _batch
         if batch is not None and compiling_only():
             return batch.lower(self, args, kwargs)
@@ -121,6 +123,25 @@ def compile_only():
 
 def compiling_only() -> bool:
     return getattr(_state, "compile_only", False)
+
+
+@contextmanager
+def outputs_only():
+    """Inside this context an optimized op validates its arguments, allocates its outputs on the
+    inputs' device and returns them unwritten, as under ``compile_only``, but builds no kernel: the
+    factories hand back unlaunchable stand-ins. Inputs may be meta tensors, so this is the op's
+    shape function (what a fake-tensor implementation needs): it shares every line of the launcher
+    up to the launch, so it cannot drift from the real outputs' shapes, dtypes and strides."""
+    previous = getattr(_state, "compile_only", False), getattr(_state, "outputs_only", False)
+    _state.compile_only = _state.outputs_only = True
+    try:
+        yield
+    finally:
+        _state.compile_only, _state.outputs_only = previous
+
+
+def outputs_only_active() -> bool:
+    return getattr(_state, "outputs_only", False)
 
 
 @contextmanager
@@ -185,7 +206,7 @@ class _UnlaunchableKernel:
         self._name = name
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: lowered for a compile check only (batched_device_compile); not launchable")
+        raise RuntimeError(f"{self._name}: a stand-in built for a compile or shape check only; not launchable")
 
 
 class DeviceCompileBatch:

@@ -458,13 +458,17 @@ def check_num_per_tokens(num_per_tokens, allowed=PER_CHANNEL_TOKEN_BLOCKS) -> in
     return num_per_tokens
 
 
-def check_pos_to_token(pos_to_token, num_tokens: int, device) -> torch.Tensor:
-    """int32 ``[P]`` row indices into ``x``, each in ``[-1, T)``; -1 marks a padding (zero) row."""
+def check_pos_to_token(pos_to_token, num_tokens: int, device, *, values: bool = True) -> torch.Tensor:
+    """int32 ``[P]`` row indices into ``x``, each in ``[-1, T)``; -1 marks a padding (zero) row.
+    ``values=False`` checks dtype, shape and device only (no read-back of the indices: a compile or
+    shape-only pass, whose indices are uninitialized or meta)."""
     check_tensor("pos_to_token", pos_to_token, dtypes=(torch.int32,), ndim=1)
     if pos_to_token.device != torch.device(device) and not (
         pos_to_token.device.type == torch.device(device).type == "cuda"
     ):
         raise ValueError(f"pos_to_token must be on {device} (the device of x), got {pos_to_token.device}")
+    if not values:
+        return pos_to_token
     outside = (pos_to_token < -1) | (pos_to_token >= num_tokens)
     if pos_to_token.numel() and bool(outside.any()):
         where = int(outside.nonzero()[0, 0])

@@ -404,14 +404,6 @@ def _launch(values, x_sf, pos_to_token, q, sf, num_per_tokens: int, round_sf: bo
     )
 
 
-def _check_pos_to_token(pos_to_token, num_tokens: int, device) -> None:
-    """The reference's check; under ``compile_only`` the indices are uninitialized memory, so only
-    their dtype, shape and device are checked (the kernel does not depend on their values)."""
-    if compiling_only() and isinstance(pos_to_token, torch.Tensor):
-        pos_to_token = torch.full(pos_to_token.shape, -1, dtype=pos_to_token.dtype, device=pos_to_token.device)
-    check_pos_to_token(pos_to_token, num_tokens, device)
-
-
 def per_channel_cast_fused(
     x,
     fmt: str,
@@ -443,7 +435,7 @@ def per_channel_cast_fused(
     tokens, hidden = values.shape
     rows = tokens
     if pos_to_token is not None:
-        _check_pos_to_token(pos_to_token, tokens, values.device)
+        check_pos_to_token(pos_to_token, tokens, values.device, values=not compiling_only())
         rows = pos_to_token.shape[0]
     require_cuda("x[0]" if x_sf is not None else "x", values)
     device = values.device
