@@ -190,7 +190,7 @@ def print_report(report: Report, console: Console, *, verbose: bool = False) -> 
         table.add_column("case", overflow="fold")
         table.add_column("status")
         table.add_column(escape("metric [bound]"), overflow="fold")
-        for column in ("µs", "GB/s", "% roof", "× eager", "× compile"):
+        for column in ("µs", "host µs", "GB/s", "% roof", "× eager", "× compile"):
             table.add_column(column, justify="right")
         for result in shown:
             t = result.timing
@@ -200,6 +200,7 @@ def print_report(report: Report, console: Console, *, verbose: bool = False) -> 
                 Text(status_text(result), style=_STATUS_STYLE[result.outcome]),
                 Text(headline(result)),
                 _number(t.optimized_us) if t else "",
+                _number(t.host_us) if t else "",
                 _number(t.gbps, 0) if t else "",
                 _number(t.pct_roof) if t else "",
                 _speedup(t.speedup_eager) if t else "",
@@ -356,7 +357,9 @@ def markdown(report: Report) -> str:
             "## Timings",
             "",
             f"Median of CUDA-event timings, L2 flushed before each run. GB/s counts the bytes the operator "
-            f"must read plus write; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s.",
+            f"must read plus write; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s. "
+            "host µs: the optimized call's own host time (median of warm calls made while the GPU is busy); "
+            "back-to-back calls are launch-bound where it exceeds µs.",
             "",
         ]
         rows = []
@@ -367,6 +370,7 @@ def markdown(report: Report) -> str:
                     f"`{result.case.op}`",
                     result.case.title or f"`{short_label(result)}`",
                     _number(t.optimized_us),
+                    _number(t.host_us),
                     _number(t.gbps, 0),
                     _number(t.pct_roof),
                     _number(t.eager_us),
@@ -375,8 +379,9 @@ def markdown(report: Report) -> str:
                     _speedup(t.speedup_compiled),
                 ]
             )
-        header = ["operator", "workload", "µs", "GB/s", "% roof", "eager µs", "compile µs", "× eager", "× compile"]
-        lines += _table(header, rows, "llrrrrrrr")
+        header = ["operator", "workload", "µs", "host µs", "GB/s", "% roof", "eager µs", "compile µs", "× eager"]
+        header.append("× compile")
+        lines += _table(header, rows, "llrrrrrrrr")
         speedups = _family_speedups(report)
         if speedups:
             lines += ["", "Geometric means per family:", ""]

@@ -382,6 +382,7 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     timer = timing.Timer(CPU, flush_bytes=1 << 10)
     measured = timing.time_case(op, case, call, timer, torch_compile=False)
     assert measured.optimized_us > 0 and measured.eager_us > 0 and measured.compiled_us is None
+    assert measured.host_us > 0 and measured.as_dict()["optimized_host_us"] == measured.host_us
     assert timing.MIN_REPS <= measured.reps["optimized"] <= timing.MAX_REPS
     assert "compiled" in measured.errors
     assert measured.bytes_moved == op.bytes_moved(case) > 0
@@ -393,6 +394,20 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     measured = timing.time_case(op, case, call, timer)
     assert measured.errors["compiled"] == "RuntimeError: inductor says no"
     assert measured.optimized_us > 0
+
+
+def test_host_time_is_the_median_of_single_calls(monkeypatch):
+    """A call that waits (a synchronization, a slow launch path) shows in host_us at its own cost."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    timer = timing.Timer(CPU, flush_bytes=1 << 10)
+    calls = []
+
+    def slow_call():
+        calls.append(None)
+        time.sleep(0.002)
+
+    assert 2000 <= timer.host_us(slow_call, reps=5) < 20000
+    assert len(calls) == 6  # one warm-up call, then the measured ones
 
 
 def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
@@ -415,7 +430,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text
+    assert "## Timings" in text and benchmark.title in text and "| host µs |" in text
     report.write_json(built, tmp_path / "gpu.json")
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["summary"]["geomean_speedups"]["quant"]["cases"] == 1
