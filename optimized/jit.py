@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -70,28 +71,58 @@ def jit(**kwargs):
     compiles (or loads from TileLang's cache) on call, except inside ``batched_device_compile``."""
 
     def decorate(factory):
-        return KernelFactory(tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)(factory))
+        compiler = tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)(factory)
+        return KernelFactory(compiler, f"{factory.__module__}.{factory.__qualname__}")
 
     return decorate
+
+
+_first_calls: dict[tuple, float] = {}
+_first_calls_lock = threading.Lock()
+
+
+def kernel_first_calls() -> dict[str, float]:
+    """Wall seconds of each kernel configuration's first call in this process, by
+    ``module.factory(static arguments)``: a TileLang build when the kernel cache was cold, else a
+    load from it. Calls made concurrently (the oracle's compile threads) include their waits for
+    one another: TileLang's lowering holds the GIL."""
+    with _first_calls_lock:
+        calls = dict(_first_calls)
+    names = {}
+    for key, seconds in calls.items():
+        arguments = ", ".join([*map(repr, key[1]), *(f"{k}={v!r}" for k, v in (key[2] if len(key) > 2 else ()))])
+        names[f"{key[0]}({arguments})"] = seconds
+    return names
 
 
 class KernelFactory:
     """A ``tilelang.jit`` kernel factory (its attributes are the wrapped one's) that defers the
     device compile while a ``batched_device_compile`` is active."""
 
-    def __init__(self, compiler):
+    def __init__(self, compiler, qualified_name: str):
         self._compiler = compiler
-        self.__name__ = getattr(compiler, "__name__", "kernel")
+        # The factory's own module and name: kernel configurations are keyed by it (TileLang's
+        # wrapper names every factory "kernel", so two factories with the same static arguments
+        # would share a key).
+        self.qualified_name = qualified_name
+        self.__name__ = qualified_name.rsplit(".", 1)[-1]
         self.__doc__ = getattr(compiler, "__doc__", None)
         self.__wrapped__ = compiler
 
     def __call__(self, *args, **kwargs):
         if outputs_only_active():
-            return _UnlaunchableKernel(f"{self.__name__}{args}")
+            return _UnlaunchableKernel(f"{self.qualified_name}{args}")
         batch = _batch
         if batch is not None and compiling_only():
             return batch.lower(self, args, kwargs)
-        return self._compiler(*args, **kwargs)
+        key = (self.qualified_name, args, tuple(sorted(kwargs.items()))) if kwargs else (self.qualified_name, args)
+        if key in _first_calls:
+            return self._compiler(*args, **kwargs)
+        started = time.perf_counter()
+        kernel = self._compiler(*args, **kwargs)
+        with _first_calls_lock:
+            _first_calls.setdefault(key, time.perf_counter() - started)
+        return kernel
 
     def __getattr__(self, name):
         return getattr(self._compiler, name)
@@ -231,7 +262,7 @@ class DeviceCompileBatch:
             self._local.tag = None
 
     def lower(self, factory: KernelFactory, args: tuple, kwargs: dict) -> _UnlaunchableKernel:
-        key = (factory.__name__, args, tuple(sorted(kwargs.items())))
+        key = (factory.qualified_name, args, tuple(sorted(kwargs.items())))
         tag = getattr(self._local, "tag", None) or UNTAGGED
         with self._lock:
             self._tags.setdefault(tag, []).append(key)
@@ -251,7 +282,7 @@ class DeviceCompileBatch:
                 elif key not in self._errors:
                     self._sources[key] = source
                     self._fingerprints[key] = fingerprint
-        return _UnlaunchableKernel(factory.__name__)
+        return _UnlaunchableKernel(factory.qualified_name)
 
     def export(self) -> dict:
         """What this batch has learnt (picklable): for a batch in another process to ``absorb``."""

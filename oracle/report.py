@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -270,6 +271,10 @@ def report_dict(report: Report) -> dict:
             "exit_status": report.exit_status,
             "geomean_speedups": _family_speedups(report),
         },
+        "kernel_builds": [
+            {"kernel": name, "seconds": seconds}
+            for name, seconds in sorted(report.kernel_builds.items(), key=lambda item: -item[1])
+        ],
         "policies": {op: p for op, p in policies().items() if op in report.ops},
         "reference_self_checks": SELF_CHECKS,
         "cases": [_case_dict(result) for result in report.results],
@@ -314,6 +319,27 @@ def _table(header: list[str], rows: list[list], align: str | None = None) -> lis
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
+
+
+SLOWEST_BUILDS_SHOWN = 10
+
+
+def _kernel_build_lines(builds: dict[str, float]) -> list[str]:
+    """The kernel configurations' first calls: how many, their total and median, the slowest."""
+    if not builds:
+        return []
+    seconds = sorted(builds.values())
+    lines = [
+        "",
+        "## Kernel builds",
+        "",
+        f"{len(builds)} kernel configurations; first call (a TileLang build with a cold kernel cache, else a "
+        f"load from it) {sum(seconds):.1f} s in all, median {statistics.median(seconds):.2f} s, slowest "
+        f"{seconds[-1]:.2f} s (wall time in the compile pass's threads, waits for one another included).",
+        "",
+    ]
+    slowest = sorted(builds.items(), key=lambda item: -item[1])[:SLOWEST_BUILDS_SHOWN]
+    return lines + _table(["kernel configuration", "s"], [[f"`{name}`", f"{s:.2f}"] for name, s in slowest], "lr")
 
 
 def markdown(report: Report) -> str:
@@ -396,6 +422,8 @@ def markdown(report: Report) -> str:
         errors = [(r.case.label, c, e) for r in timed for c, e in r.timing.errors.items()]
         if errors:
             lines += ["", "Timing notes:", ""] + [f"- `{label}` {callee}: {error}" for label, callee, error in errors]
+
+    lines += _kernel_build_lines(report.kernel_builds)
 
     failing = [r for r in report.results if r.status != PASS]
     if failing:

@@ -259,6 +259,9 @@ class Report:
     twin: str = OPTIMIZED.name  # what the references were checked against
     sm_limit: int | None = None  # the SM count of the grid-size independence re-runs, if any
     compared: bool | None = None  # whether the twin ran and was compared (None: when there was a GPU)
+    # Wall seconds of each kernel configuration's first call in this run (jit.kernel_first_calls):
+    # builds when the kernel cache was cold, loads from it otherwise.
+    kernel_builds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compared is None:
@@ -809,6 +812,10 @@ def run(
 
     selected_ops = list(dict.fromkeys(case.op for case in cases))
     command = run_command(profile, seed, ops, patterns, max_cases, twin, sm_limit)
+    builds = {}
+    if twin.jit_module is not None:
+        first_calls = getattr(importlib.import_module(twin.jit_module), "kernel_first_calls", None)
+        builds = first_calls() if first_calls else {}
     return Report(
         environment(profile, seed, twin.jit_module),
         profile,
@@ -822,6 +829,7 @@ def run(
         twin.name,
         sm_limit,
         gpu or not twin.needs_gpu,
+        builds,
     )
 
 

@@ -88,3 +88,56 @@ def test_lowering_processes_report_every_case_and_build_the_kernels(tmp_path, mo
     results = runner.compile_pass(cases, workers=2)
     assert set(results) == {case.label for case in cases} and not any(results.values())
     assert len(list((tmp_path / "tileproof-device-checked").iterdir())) >= 2  # built, marked by the parent
+
+
+def _negate_kernel_factory():
+    """A kernel with the same static arguments as ``_copy_kernel_factory``'s and another body."""
+    import tilelang.language as T
+
+    from tileproof.optimized.jit import jit
+
+    @jit()
+    def negate_kernel(call_extern: str):
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def kernel(source: T.Tensor((n,), "float32"), target: T.Tensor((n,), "float32")):
+            with T.Kernel(T.ceildiv(n, 128), threads=128) as (block,):
+                index = block * 128 + T.get_thread_binding()
+                if index < n:
+                    target[index] = -source[index]
+
+        return kernel
+
+    return negate_kernel
+
+
+@pytest.mark.compile
+def test_batched_device_compile_keeps_factories_with_equal_arguments_apart(tmp_path):
+    """Kernel configurations are keyed by the factory's own module and name: two factories called
+    with the same static arguments are two kernels (TileLang names every factory "kernel")."""
+    from tileproof.optimized.jit import batched_device_compile, compile_only
+
+    copy, negate = _copy_kernel_factory(""), _negate_kernel_factory()
+    assert copy.qualified_name != negate.qualified_name
+    with batched_device_compile(tmp_path) as batch, compile_only():
+        batch.run("copy", lambda: copy(""))
+        batch.run("negate", lambda: negate(""))
+    assert len(batch._sources) == 2
+
+
+def test_first_calls_of_kernel_configurations_are_timed_once():
+    from tileproof.optimized import jit
+
+    calls = []
+    factory = jit.KernelFactory(lambda *args, **kwargs: calls.append(args) or "kernel", "tests.stand_in_kernel")
+    assert factory(3, vector=8) == factory(3, vector=8) == "kernel" and len(calls) == 2
+    factory(4)
+    first_calls = jit.kernel_first_calls()
+    assert {"tests.stand_in_kernel(3, vector=8)", "tests.stand_in_kernel(4)"} <= set(first_calls)
+    assert all(seconds >= 0 for seconds in first_calls.values())
+    with jit.outputs_only():
+        stand_in = factory(5)
+    assert len(calls) == 3 and "tests.stand_in_kernel(5)" not in jit.kernel_first_calls()
+    with pytest.raises(RuntimeError, match="not launchable"):
+        stand_in()

@@ -103,7 +103,7 @@ def _kernel_configurations(profile: str, monkeypatch) -> set:
     def record(factory, *args, **kwargs):
         if not jit.compiling_only():
             raise AssertionError("a launch during a compile-only pass")
-        built.add((factory.__name__, args, tuple(sorted(kwargs.items()))))
+        built.add((factory.qualified_name, args, tuple(sorted(kwargs.items()))))
         return None
 
     monkeypatch.setattr(jit.KernelFactory, "__call__", record)
@@ -431,6 +431,10 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
     assert "## Timings" in text and benchmark.title in text and "| host µs |" in text
+    assert "## Kernel builds" not in text  # the stand-in builds no kernel
+    built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
+    assert "## Kernel builds" in report.markdown(built) and "3.50" in report.markdown(built)
+    assert report.report_dict(built)["kernel_builds"][0]["seconds"] == 3.5
     report.write_json(built, tmp_path / "gpu.json")
     data = json.loads((tmp_path / "gpu.json").read_text())
     assert data["summary"]["geomean_speedups"]["quant"]["cases"] == 1
