@@ -751,11 +751,14 @@ def run(
     if not gpu:
         notes.append(NO_GPU_NOTE if twin.needs_gpu else f"no CUDA GPU: {twin.name} is compared on the CPU; no timings")
 
+    first_calls = None  # the twin's record of kernel first calls (jit.kernel_first_calls)
     if twin.jit_module is not None:
         try:  # jit first: it points TileLang's cache at TILEPROOF_CACHE_DIR before TileLang loads
-            importlib.import_module(twin.jit_module)
+            first_calls = getattr(importlib.import_module(twin.jit_module), "kernel_first_calls", None)
         except Exception as error:
             notes.append(f"{twin.jit_module} does not import: {first_line(error)}")
+    # Kernels this process built before the run cost it nothing: the report lists the run's own.
+    built_before = set(first_calls()) if first_calls else set()
     if sm_limit is not None and twin.jit_module is not None:
         notes += _sm_limit_notes(sm_limit, gpu)
 
@@ -813,9 +816,8 @@ def run(
     selected_ops = list(dict.fromkeys(case.op for case in cases))
     command = run_command(profile, seed, ops, patterns, max_cases, twin, sm_limit)
     builds = {}
-    if twin.jit_module is not None:
-        first_calls = getattr(importlib.import_module(twin.jit_module), "kernel_first_calls", None)
-        builds = first_calls() if first_calls else {}
+    if first_calls:
+        builds = {name: seconds for name, seconds in first_calls().items() if name not in built_before}
     return Report(
         environment(profile, seed, twin.jit_module),
         profile,
