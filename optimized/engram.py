@@ -50,7 +50,7 @@ from tileproof.reference.engram import (
     check_unit_last_stride,
 )
 
-from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"]
 
@@ -100,7 +100,7 @@ def _vector_width(width: int, max_vector: int, tensors) -> int:
 
     def fits(vector: int) -> bool:
         return not width % vector and all(
-            not t.data_ptr() % min(16, vector * t.element_size()) and not any(s % vector for s in _leading_strides(t))
+            not address(t) % min(16, vector * t.element_size()) and not any(s % vector for s in _leading_strides(t))
             for t in tensors
         )
 
@@ -703,7 +703,7 @@ def engram_gate_bwd(
     clamp_value: float,
     *,
     num_partials: int = 1,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward of ``engram_gate_fwd``; same contract as
     ``tileproof.reference.engram.engram_gate_bwd`` (block ``p`` of ``dw_partial`` owns tokens
     ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds."""

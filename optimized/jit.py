@@ -175,6 +175,12 @@ def outputs_only_active() -> bool:
     return getattr(_state, "outputs_only", False)
 
 
+def address(tensor: torch.Tensor) -> int:
+    """The tensor's data address, for the launchers' alignment choices; 0 (every alignment) under
+    ``outputs_only``, whose fake and meta tensors have none (and whose outputs do not depend on it)."""
+    return 0 if outputs_only_active() else tensor.data_ptr()
+
+
 @contextmanager
 def poison_outputs():
     """Inside this context every output an optimized op allocates starts filled with 0xFF bytes

@@ -52,7 +52,7 @@ from tileproof.reference.mhc import (
     check_square,
 )
 
-from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 # The norm-fn kernels and the fused / multilayer paths live in their own modules, which import the
 # kernels of this one: they are looked up on first use (PEP 562 ``__getattr__`` at the end), so
@@ -105,7 +105,7 @@ PARTIAL_BLOCKS = 264
 
 
 def _alignment_elements(tensor: torch.Tensor) -> int:
-    return tensor.data_ptr() // tensor.element_size() if tensor.numel() else 0
+    return address(tensor) // tensor.element_size() if tensor.numel() else 0
 
 
 def _vector_width(tensors_and_sizes, width: int) -> int:
@@ -943,7 +943,9 @@ def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def mhc_pre_apply_mix_bwd(grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor):
+def mhc_pre_apply_mix_bwd(
+    grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Explicit backward of ``mhc_pre_apply_mix``: ``(dx bf16 [T, n, C], dmix fp32 [T, n])``."""
     tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
@@ -1015,7 +1017,7 @@ def mhc_post_bwd(
     residual: torch.Tensor,
     post_layer_mix: torch.Tensor,
     comb_res_mix: torch.Tensor,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward of ``mhc_post``: ``(dx bf16 [T, C], dresidual bf16 [T, n, C], dpost fp32
     [T, n], dcomb fp32 [T, n, n])``."""
     tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
@@ -1304,7 +1306,7 @@ def mhc_pre_split_mixes(
     mhc_mult: int,
     mhc_post_mult_value: float,
     mhc_pre_eps: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the normed mixes into ``(pre [T, n], post [T, n], comb logits [T, n, n])`` (fp32, contiguous)."""
     n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
@@ -1383,7 +1385,7 @@ def mhc_pre_split_mixes_bwd(
     mhc_base: torch.Tensor,
     mhc_mult: int,
     mhc_post_mult_value: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward of ``mhc_pre_split_mixes``: ``(dmixes [T, n² + 2n], dscale [3], dbase [n² + 2n])``."""
     n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     tokens = input_mixes.shape[0]
@@ -1435,7 +1437,7 @@ def mhc_head_compute_mix(
 
 def mhc_head_compute_mix_bwd(
     grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
     tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)

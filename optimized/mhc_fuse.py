@@ -317,7 +317,7 @@ def mhc_pre_big_fuse(
     n_splits: int = 16,
     *,
     mhc_norm_weight: torch.Tensor | None = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inference ``mhc_pre``: ``(post_mix fp32 [T, n], comb_mix fp32 [T, n, n], layer_input bf16 [T, C])``,
     the optimized norm-fn (norm weight folded), split, Sinkhorn and pre-apply run one by one."""
     from .mhc_norm import mhc_pre_norm_fn  # the norm-fn GEMM's module; imported here so this one loads alone

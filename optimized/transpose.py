@@ -45,7 +45,7 @@ import torch
 
 from tileproof.reference.transpose import check_transpose_input
 
-from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["transpose", "batched_transpose"]
 
@@ -339,7 +339,7 @@ def launch(x: torch.Tensor, out: torch.Tensor, plan: dict) -> None:
     # Strides of dimensions of size 1 never address memory: they constrain no alignment.
     row_stride = x.stride(1) if rows > 1 else 0
     batch_stride = x.stride(0) if batches > 1 else 0
-    load_bytes = _alignment(x.data_ptr(), row_stride * element_bytes, batch_stride * element_bytes)
+    load_bytes = _alignment(address(x), row_stride * element_bytes, batch_stride * element_bytes)
     store_bytes = _alignment(rows * element_bytes)
     kernel(
         flat_view(x).view(torch.uint8),

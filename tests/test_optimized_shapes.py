@@ -34,16 +34,16 @@ def _long_strides(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size > 1)
 
 
-def _compare(output, wanted, where: str, value_sized: bool) -> None:
+def _compare(output, wanted, where: str, value_sized: bool = False, device: torch.device = META) -> None:
     if isinstance(wanted, (tuple, list)):
-        assert isinstance(output, type(wanted)), where
+        assert isinstance(output, (tuple, list)), where
         if value_sized and isinstance(wanted, list):
             return  # a host list of per-expert sizes: its length is a value
         assert len(output) == len(wanted), where
         for index, (part, wanted_part) in enumerate(zip(output, wanted, strict=True)):
-            _compare(part, wanted_part, f"{where}[{index}]", value_sized)
+            _compare(part, wanted_part, f"{where}[{index}]", value_sized, device)
     elif isinstance(wanted, torch.Tensor):
-        assert isinstance(output, torch.Tensor) and output.device == META, where
+        assert isinstance(output, torch.Tensor) and output.device.type == device.type, where
         assert (output.dtype, output.dim()) == (wanted.dtype, wanted.dim()), where
         if not value_sized:
             assert output.shape == wanted.shape, where
@@ -61,6 +61,54 @@ def test_outputs_on_meta_tensors_match_the_reference(op, case):
     generator = torch.Generator().manual_seed(registry.case_seed(0, case.label))
     wanted = op.build(case, CPU, generator)(op.reference())
     _compare(output, wanted, "result", VALUE_SIZED.get(op.name, lambda case: False)(case))
+
+
+def _registered_cases():
+    from tileproof.optimized import library
+
+    for name in library.OPERATORS:
+        op = registry.get_op(name)
+        yield from (pytest.param(op, case, id=case.label) for case in op.cases("quick"))
+
+
+def _fake_cuda(value, mode):
+    """``value`` with each tensor replaced by a fake CUDA tensor of its shape, strides and dtype."""
+    if isinstance(value, torch.Tensor):
+        with mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fake_cuda(item, mode) for item in value)
+    return value
+
+
+@pytest.mark.parametrize("op,case", list(_registered_cases()))
+def test_custom_ops_propagate_fake_cuda_tensors(op, case):
+    """``torch.ops.tileproof.<name>`` under ``FakeTensorMode`` (what torch.compile traces with),
+    on fake CUDA tensors, which need no GPU: the reference's output shapes, dtypes and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tileproof.optimized import library
+
+    mode = FakeTensorMode()
+    call = op.build(case, CPU, None)
+    args, kwargs = _fake_cuda(call.args, mode), _fake_cuda(call.kwargs, mode)
+    with mode:
+        output = getattr(torch.ops.tileproof, op.name)(*args, **kwargs)
+    if library.OPERATORS[op.name][1]:  # writes into its arguments: the schema returns nothing
+        assert output is None
+        return
+    generator = torch.Generator().manual_seed(registry.case_seed(0, case.label))
+    wanted = op.build(case, CPU, generator)(op.reference())
+    _compare(output, wanted, "result", device=torch.device("cuda"))
+
+
+def test_unregistered_operators_say_why():
+    from tileproof.optimized import library
+
+    assert set(library.OPERATORS).isdisjoint(library.NOT_YET)
+    optimized_ops = {name for name, op in registry.all_ops().items() if op.optimized() is not None}
+    layers = {name for name, op in registry.all_ops().items() if op.family == "modeling"}
+    assert set(library.OPERATORS) | set(library.NOT_YET) == optimized_ops - layers
 
 
 def test_outputs_only_builds_no_kernel(monkeypatch):

@@ -57,7 +57,7 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["expand_to_fused", "expand_to_fused_with_sf", "reduce_fused"]
 
@@ -434,7 +434,7 @@ def _reduce_vector(x: torch.Tensor) -> int:
     the base address."""
     element = x.element_size()
     row_stride = x.stride(0) * element if x.shape[0] > 1 else None
-    return _vector_bytes(x.shape[1] * element, row_stride, x.data_ptr()) // element or 1
+    return _vector_bytes(x.shape[1] * element, row_stride, address(x)) // element or 1
 
 
 def _check_expand(x, token_topk_to_pos, pos_to_expert) -> None:
@@ -462,7 +462,7 @@ def _launch_expand(x, token_topk_to_pos, out, sf=None, out_sf=None, schedule: di
     x = _unit_inner_stride(x)
     row_bytes = x.shape[1] * x.element_size()
     stride_bytes = x.stride(0) * x.element_size() if num_tokens > 1 else None
-    vector_bytes = _vector_bytes(row_bytes, stride_bytes, x.data_ptr() if x.numel() else 0)
+    vector_bytes = _vector_bytes(row_bytes, stride_bytes, address(x) if x.numel() else 0)
     unit_name, _ = VECTOR_UNITS[vector_bytes]
     scale_bytes = 0
     if with_scales:

@@ -58,7 +58,7 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = [
     "normalize_weight",
@@ -182,7 +182,7 @@ def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     vectorized = (
         column_stride == 1
         and row_stride % vector == 0
-        and topk_weights.data_ptr() % (4 * vector) == 0
+        and address(topk_weights) % (4 * vector) == 0
         and normalized.is_contiguous()
     )
     kernel(
@@ -535,7 +535,7 @@ def mask_indices_by_tp(
     if compiling_only():
         return out
     contiguous = indices.is_contiguous() and out.is_contiguous()
-    vectorized = contiguous and indices.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    vectorized = contiguous and address(indices) % 16 == 0 and address(out) % 16 == 0
     row_stride, column_stride = _strides(indices)
     out_row_stride, out_column_stride = _strides(out)
     kernel(

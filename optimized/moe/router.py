@@ -59,7 +59,7 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["topk_gate", "topk_sum_and_topk_group_idx", "top2_sum_gate"]
 
@@ -674,7 +674,7 @@ def _vector_width(tensors: list[torch.Tensor], per_lane: int, entries: int) -> i
             return 1
         row_strides.append(row_stride)
     vector = load_width(per_lane, entries, row_strides)
-    while vector > 1 and any(x.data_ptr() % (4 * vector) for x in tensors):
+    while vector > 1 and any(address(x) % (4 * vector) for x in tensors):
         vector //= 2
     return vector
 

@@ -34,7 +34,7 @@ from tileproof.reference.contract import (
     infer_scale_layout,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import divide_by_magic, division_magic, e2m1_value, scale_from_ue8m0
 from .e5m6 import e5m6_value, unpack_group
 from .per_token import packed_scale_index
@@ -204,7 +204,7 @@ def _vector_width(data: torch.Tensor, fmt, block_columns: int | None) -> int:
         (block_columns is not None and block_columns % vector)
         or hidden % vector
         or (data.stride(0) * values_per_byte) % vector
-        or data.data_ptr() % (vector // values_per_byte)
+        or address(data) % (vector // values_per_byte)
     ):
         vector //= 2
     return vector
@@ -239,7 +239,7 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt=None) -> torch.Tensor:
     per_element = bk == 1 and bm > 1
     vector = _vector_width(data, spec, None if per_element else bk)
     # e5m6 groups are read as 32-bit words when every row starts on a 4-byte boundary.
-    e5m6_words = spec is not E5M6 or ((tokens == 1 or data.stride(0) % 4 == 0) and data.data_ptr() % 4 == 0)
+    e5m6_words = spec is not E5M6 or ((tokens == 1 or data.stride(0) % 4 == 0) and address(data) % 4 == 0)
     plan = {"items": 1, "rows": CHANNEL_ROWS} if per_element else {}
     kernel = cast_back_kernel(spec.name, _TL_OUT_DTYPES[out_dtype], vector, packed, per_element, e5m6_words, **plan)
     if compiling_only():

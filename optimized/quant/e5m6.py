@@ -24,7 +24,7 @@ from tileproof.reference.contract import (
     check_scale_flags,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import cta_amax_bits, float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index
 
@@ -189,7 +189,7 @@ def per_row_e5m6_cast_kernel(
 def _x_vector(x: torch.Tensor) -> int:
     """Elements per load: 16 bytes, narrowed until the row stride and base address allow it."""
     vector = 16 // x.element_size()
-    while vector > 1 and (x.stride(0) % vector or x.data_ptr() % (vector * x.element_size())):
+    while vector > 1 and (x.stride(0) % vector or address(x) % (vector * x.element_size())):
         vector //= 2
     return vector
 

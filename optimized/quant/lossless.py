@@ -49,7 +49,7 @@ from tileproof.reference.contract import (
 )
 from tileproof.reference.quant_blocks import FP8_ONLY, LOSSLESS_EXPONENT_HEADROOM
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import e2m1_value
 from .dequantize import WHOLE_ROW_SHIFT, _log2_block
 from .per_token import packed_scale_index
@@ -276,7 +276,7 @@ def _vector_width(data: torch.Tensor, in_bk: int, out_bk: int) -> int:
         or (out_bk > 1 and out_bk % vector)
         or hidden % vector
         or (data.stride(0) * 2) % vector
-        or data.data_ptr() % (vector // 2)
+        or address(data) % (vector // 2)
     ):
         vector //= 2
     return vector

@@ -37,7 +37,7 @@ from tileproof.reference.contract import (
     check_scale_tensor,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import cta_amax_bits, e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
 
 # Default schedule (threads per CTA, segments per thread in flight); see ``schedule``.
@@ -456,7 +456,7 @@ def _vector_width(x: torch.Tensor) -> int:
     """Widest vector (elements, at most 16 bytes) that every row start and the row length allow."""
     element_bytes = x.element_size()
     vector = 16 // element_bytes
-    while vector > 1 and (x.shape[1] % vector or x.stride(0) % vector or x.data_ptr() % (vector * element_bytes)):
+    while vector > 1 and (x.shape[1] % vector or x.stride(0) % vector or address(x) % (vector * element_bytes)):
         vector //= 2
     return vector
 

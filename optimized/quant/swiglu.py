@@ -104,7 +104,7 @@ from tileproof.reference.quant_swiglu import (
 )
 
 from ..device import sm_count
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index, store_encoded_vector
 
@@ -853,7 +853,7 @@ def _vector_width(x: torch.Tensor, hidden: int) -> int:
     element_bytes = x.element_size()
     vector = 16 // element_bytes
     while vector > 1 and (
-        hidden % vector or (x.shape[0] > 1 and x.stride(0) % vector) or x.data_ptr() % (vector * element_bytes)
+        hidden % vector or (x.shape[0] > 1 and x.stride(0) % vector) or address(x) % (vector * element_bytes)
     ):
         vector //= 2
     return vector
@@ -1486,7 +1486,7 @@ def _load_width(tensor: torch.Tensor, limit_bytes: int) -> int:
     element_bytes = tensor.element_size()
     vector = limit_bytes // element_bytes
     while vector > 1 and (
-        (tensor.shape[0] > 1 and tensor.stride(0) % vector) or tensor.data_ptr() % (vector * element_bytes)
+        (tensor.shape[0] > 1 and tensor.stride(0) % vector) or address(tensor) % (vector * element_bytes)
     ):
         vector //= 2
     return vector
