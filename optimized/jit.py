@@ -118,6 +118,12 @@ class KernelFactory:
         key = (self.qualified_name, args, tuple(sorted(kwargs.items()))) if kwargs else (self.qualified_name, args)
         if key in _first_calls:
             return self._compiler(*args, **kwargs)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{self.qualified_name}{args}: first call of this kernel configuration inside a CUDA-graph "
+                "capture; building or loading a kernel cannot be captured. Call the operator once with "
+                "the same configuration before capturing, or warm the cache with `tileproof precompile`."
+            )
         started = time.perf_counter()
         kernel = self._compiler(*args, **kwargs)
         with _first_calls_lock:

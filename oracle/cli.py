@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -61,6 +62,15 @@ layout stride, dropped eps, swapped transpose, zeroed gradient, unwritten tail, 
 checked as a backend (the path of `tileproof oracle --backend`) over its operator's cases until one
 case FAILs: the mutant is then killed. A mutant that survives every case means the oracle's cases or
 policies would miss that bug. Mutants of operators that are not registered are listed as skipped."""
+
+
+PRECOMPILE_DESCRIPTION = """\
+Build every kernel configuration that the selected cases of the oracle need, as the oracle's compile
+pass does, before a run that must not compile: a CUDA-graph capture cannot build or load a kernel
+(the first call of a configuration inside a capture raises and says so). On a GPU machine the
+kernels go into TileLang's cache (TILEPROOF_CACHE_DIR) for this GPU; without a GPU they are
+compiled for TILEPROOF_TARGET (sm_90a by default) as a check, and nothing reusable is kept. Exit
+status 1 when a kernel fails to build."""
 
 
 class UsageError(Exception):
@@ -176,6 +186,21 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
         help="plant the bugs in the reference twin (default; CPU) or in the optimized kernels (needs a GPU)",
     )
     mutate.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable result")
+
+    precompile = commands.add_parser(
+        "precompile",
+        help="build (or load) every kernel a selection of the oracle's cases needs",
+        description=PRECOMPILE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    precompile.add_argument(
+        "--op", action="append", metavar="NAME", help="operator (repeat, or comma-separate; default: all)"
+    )
+    precompile.add_argument("--profile", choices=TIERS, default="quick", help="case tier (default: quick)")
+    precompile.add_argument("--case", action="append", metavar="LABEL", help="case label or shell glob (repeatable)")
+    precompile.add_argument(
+        "-j", "--jobs", type=_positive_int, metavar="N", help="compile threads (default: CPUs, at most 16)"
+    )
     return parser, oracle, mutate
 
 
@@ -256,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else 2
     if args.command == "mutate":
         return _mutate(args, mutate_parser)
+    if args.command == "precompile":
+        return _precompile(args)
     try:
         cases = select(args)
         copy_roof_gbps()  # a malformed TILEPROOF_COPY_ROOF_GBPS is a usage error, found before the run
@@ -306,6 +333,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         reporting.write_plot(report, args.plot)
         console.print(f"wrote {args.plot}", highlight=False)
     return report.exit_status
+
+
+def _precompile(args: argparse.Namespace) -> int:
+    """``tileproof precompile``: the oracle's compile pass over the selected cases."""
+    from tileproof.optimized import jit
+
+    try:
+        ops = selected_ops(args.op)
+        cases = select_cases(args.profile, ops, args.case)
+    except (UsageError, ValueError) as error:
+        print(f"tileproof precompile: error: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    before = set(jit.kernel_first_calls())
+    failures = runner.compile_all(args.profile, ops, args.case, workers=args.jobs)
+    seconds = time.perf_counter() - started
+    if torch.cuda.is_available():
+        built = len(set(jit.kernel_first_calls()) - before)
+        done = f"{built} kernel configurations built or loaded into the cache for this GPU"
+    else:
+        done = f"their kernels compiled for {jit.compile_target()['arch']} (a check: no GPU, nothing cached)"
+    print(f"{len(cases)} cases: {done} in {seconds:.0f} s; {len(failures)} failed")
+    for failure in failures:
+        print(f"FAIL {failure.label}: {failure.error}")
+    return 1 if failures else 0
 
 
 def _mutate(args: argparse.Namespace, mutate_parser: argparse.ArgumentParser) -> int:

@@ -141,3 +141,19 @@ def test_first_calls_of_kernel_configurations_are_timed_once():
     assert len(calls) == 3 and "tests.stand_in_kernel(5)" not in jit.kernel_first_calls()
     with pytest.raises(RuntimeError, match="not launchable"):
         stand_in()
+
+
+def test_a_cold_kernel_inside_a_cuda_graph_capture_says_how_to_warm_it(monkeypatch):
+    import torch
+
+    from tileproof.optimized import jit
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    factory = jit.KernelFactory(lambda *args: "kernel", "tests.capture_stand_in")
+    assert factory(1) == "kernel"  # warm before the capture
+    capturing[0] = True
+    assert factory(1) == "kernel"  # a warm configuration launches inside the capture
+    with pytest.raises(RuntimeError, match="tileproof precompile"):
+        factory(2)

@@ -826,3 +826,13 @@ def test_reference_device_check_is_bitwise_for_bitwise_outputs_and_bounded_for_f
     q, sf = op.split(op.build(bitwise_case, torch.device("cpu"), _generator(seed))(op.reference()))
     checks = _reference_device_check(bitwise_case, seed, (q, one_ulp_up(sf)))
     assert any(not check.ok for check in checks), checks
+
+
+def test_precompile_command(monkeypatch, capsys):
+    assert cli.main(["precompile", "--op", "no_such_operator"]) == 2
+    assert cli.main(["precompile", "--op", "topk_gate", "--case", "no-such-case*"]) == 0
+    assert "0 cases" in capsys.readouterr().out
+    failure = runner.CompileFailure("topk_gate", "topk_gate/x", "RuntimeError: nvcc says no")
+    monkeypatch.setattr(runner, "compile_all", lambda *args, **kwargs: [failure])
+    assert cli.main(["precompile", "--op", "topk_gate"]) == 1
+    assert "FAIL topk_gate/x: RuntimeError: nvcc says no" in capsys.readouterr().out
