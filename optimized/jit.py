@@ -209,6 +209,10 @@ def new_output(tensor: torch.Tensor) -> torch.Tensor:
 def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D view from the tensor's first element to its last. Kernels take tensors flat, with
     their strides as runtime scalars counted in vectors, which lets TileLang prove alignment."""
+    # The common case without the span arithmetic (host time per launch). One element may carry any
+    # stride, which view(-1) keeps: the as_strided path gives it the unit stride a kernel buffer has.
+    if tensor.numel() > 1 and tensor.is_contiguous():
+        return tensor.view(-1)
     if tensor.numel() == 0:
         return tensor.reshape(0)
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))

@@ -157,3 +157,19 @@ def test_a_cold_kernel_inside_a_cuda_graph_capture_says_how_to_warm_it(monkeypat
     assert factory(1) == "kernel"  # a warm configuration launches inside the capture
     with pytest.raises(RuntimeError, match="tileproof precompile"):
         factory(2)
+
+
+def test_flat_view_spans_first_to_last_element_with_unit_stride():
+    import torch
+
+    from tileproof.optimized.jit import flat_view
+
+    base = torch.arange(24, dtype=torch.int32)
+    contiguous = base[4:16].view(3, 4)
+    strided = base.view(4, 6)[1:, :3]  # rows of 3 elements, 6 apart
+    lonely = torch.empty_strided((1, 1), (1, 4), dtype=torch.int32)  # "contiguous", any strides
+    for tensor, span in ((contiguous, 12), (strided, 15), (lonely, 1), (base[:0], 0)):
+        flat = flat_view(tensor)
+        assert flat.shape == (span,) and (span == 0 or flat.stride() == (1,))
+        assert flat.data_ptr() == tensor.data_ptr() or span == 0
+    assert flat_view(strided)[-1] == strided[-1, -1]
