@@ -27,7 +27,7 @@ Design:
 import tilelang.language as T
 import torch
 
-from tileproof.reference.mhc import check_big_fuse_inputs, check_list_entries, check_residual, check_tensor_list
+from tileproof.reference.mhc import check_big_fuse_inputs, check_multilayer_inputs
 
 from .jit import compiling_only, flat_view, jit, new_output, require_cuda
 from .mhc import (
@@ -240,28 +240,11 @@ def mhc_multilayer_recompute(
 ) -> None:
     """Recompute the layer inputs and residuals of L consecutive layers from ``X_0`` into the given
     buffers (see the reference); bit-identical to ``mhc_pre_apply_mix`` / ``mhc_post`` layer by layer."""
-    tokens, n, hidden = check_residual("initial_residual", initial_residual)
-    pre_mixes = check_tensor_list("pre_mix_list", pre_mix_list)
-    num_layers = len(pre_mixes)
-    if num_layers < 1:
-        raise ValueError("pre_mix_list must hold at least one layer, got 0 entries")
-    layer_outputs = check_tensor_list("layer_output_list", layer_output_list)
-    num_post = len(layer_outputs)
-    if num_post not in (num_layers - 1, num_layers):
-        raise ValueError(
-            f"layer_output_list must have {num_layers - 1} or {num_layers} entries (L − 1 or L for "
-            f"L = {num_layers} layers), got {num_post}"
-        )
-    post_mixes = check_tensor_list("post_mix_list", post_mix_list, num_post)
-    comb_mixes = check_tensor_list("comb_mix_list", comb_mix_list, num_post)
-    layer_inputs = check_tensor_list("layer_input_list", layer_input_list, num_layers)
-    residuals = check_tensor_list("residual_list", residual_list, num_post)
-    check_list_entries("pre_mix_list", pre_mixes, F32, (tokens, n))
-    check_list_entries("layer_output_list", layer_outputs, BF16, (tokens, hidden))
-    check_list_entries("post_mix_list", post_mixes, F32, (tokens, n))
-    check_list_entries("comb_mix_list", comb_mixes, F32, (tokens, n, n))
-    check_list_entries("layer_input_list", layer_inputs, BF16, (tokens, hidden))
-    check_list_entries("residual_list", residuals, BF16, (tokens, n, hidden))
+    pre_mixes, layer_outputs, post_mixes, comb_mixes, layer_inputs, residuals = check_multilayer_inputs(
+        initial_residual, pre_mix_list, layer_output_list, post_mix_list, comb_mix_list, layer_input_list, residual_list
+    )
+    tokens, n, hidden = initial_residual.shape
+    num_layers, num_post = len(pre_mixes), len(layer_outputs)
     require_cuda("initial_residual", initial_residual)
     for name, tensors in (
         ("pre_mix_list", pre_mixes),

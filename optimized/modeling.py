@@ -45,18 +45,7 @@ from tileproof.reference.modeling import (
 
 from . import engram, mhc
 
-__all__ = [
-    "engram_gate",
-    "EngramGate",
-    "expand_from_embedding",
-    "mhc_pre",
-    "mhc_post",
-    "mhc_head",
-    "ExpandFromEmbedding",
-    "MHCPre",
-    "MHCPost",
-    "MHCHead",
-]
+__all__ = list(reference_modeling.__all__)  # the same public names as the reference twin
 
 F32 = torch.float32
 BF16 = torch.bfloat16
