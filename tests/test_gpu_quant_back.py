@@ -284,9 +284,12 @@ LOSSLESS_CASES = [
 
 def build_lossless(tokens, hidden, source, spread, rows, device, generator):
     """An FP4 pair with power-of-two scales made by the reference cast of random values whose
-    magnitudes vary by up to 2^±spread between groups of 16, and an all-zero row (floor scales)."""
+    magnitudes vary by up to 2^±spread between groups of 16, and an all-zero row (floor scales).
+    Magnitudes before the spread lie in [1, 2): a block of one element (the tail of a 32-token
+    channel block) then has its amax within the spread too, as a normal draw's need not be."""
     block, flags = LOSSLESS_SOURCES[source]
-    values = torch.randn(tokens, hidden, generator=generator)
+    signs = torch.randint(0, 2, (tokens, hidden), generator=generator) * 2 - 1
+    values = signs * (1 + torch.rand(tokens, hidden, generator=generator))
     exponents = torch.randint(-spread, spread + 1, (tokens, hidden // 16), generator=generator)
     values *= torch.exp2(exponents.float()).repeat_interleave(16, 1)
     if tokens >= 3:

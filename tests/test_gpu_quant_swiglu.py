@@ -10,6 +10,7 @@ import torch
 
 import tileproof.reference.quant_swiglu as reference
 from tileproof.optimized.jit import poison_outputs
+from tileproof.oracle.policy import meaningful_strides
 
 pytestmark = pytest.mark.gpu
 
@@ -62,15 +63,16 @@ def _routing(rows, routing, index_dtype, generator):
 
 
 def _bytes(tensor):
-    # .contiguous() first: a one-row column-major scale tensor reshapes to a stride-4 view.
-    return tensor.contiguous().view(torch.uint8)
+    # A fresh copy with the default strides: .contiguous() keeps a size-1 dimension's stride (a
+    # one-column column-major scale tensor has stride (1, T)), which view(uint8) refuses.
+    return tensor.new_empty(tensor.shape).copy_(tensor).view(torch.uint8)
 
 
 def _assert_same_bits(actual, expected, what, rows=None):
     assert actual.dtype == expected.dtype, what
     assert actual.shape == expected.shape, what
     if actual.numel():
-        assert actual.stride() == expected.stride() or actual.shape[0] <= 1, what
+        assert meaningful_strides(actual) == meaningful_strides(expected), what
         a, e = _bytes(actual), _bytes(expected)
         if rows is not None:
             a, e = a[rows], e[rows]
@@ -195,9 +197,10 @@ def test_grid_size_does_not_change_results(monkeypatch):
             monkeypatch.setenv("TILEPROOF_SM_LIMIT", limit)
         counts = torch.zeros(3, dtype=torch.int64, device="cuda")
         q, sf = _optimized().swiglu_forward_and_per_token_cast(x, "e4m3", 128, clamped_count=counts, **kwargs)
-        results.append((q.view(torch.uint8)[kwargs["pos_to_expert"] >= 0], sf[kwargs["pos_to_expert"] >= 0], counts))
+        computed = kwargs["pos_to_expert"] >= 0
+        results.append((q.view(torch.uint8)[computed], sf.view(torch.int32)[computed], counts))
     for a, b in zip(*results, strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b)  # integer views: the NaN gates' scales compare by their bits
 
 
 def _backward_inputs(rows, hidden, C, q_padding, go_padding, generator):
