@@ -2,9 +2,9 @@
 
 Modules: ``registry`` (operator specs, cases, seeds), ``policy`` (the comparison policy),
 ``quant`` (the quantization family's specs), ``runner`` (twins, compile pass, checks, timings),
-``timing`` (CUDA-event medians, the copy roof), ``report`` (console, JSON, Markdown, PNG),
-``mutation`` (the self-test: planted bugs the oracle must flag) and ``cli`` (``tileproof oracle``,
-``tileproof mutate``). The twins never import the oracle. Guide: docs/oracle.md.
+``timing`` (kernel-time medians from CUPTI, CUDA-event stream times, the copy roof), ``report``
+(console, JSON, Markdown, PNG), ``mutation`` (the self-test: planted bugs the oracle must flag)
+and ``cli`` (``tileproof oracle``, ``tileproof mutate``). The twins never import the oracle. Guide: docs/oracle.md.
 
 For tests and scripts::
 

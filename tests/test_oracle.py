@@ -371,9 +371,46 @@ class _FakeEvent:
         return (end.at - self.at) * 1e3
 
 
+def _fake_profiler(monkeypatch):
+    """Stands in for CUPTI on the CPU: each flush is a 300 µs activity named like the real flush,
+    the call after it one activity lasting the call's host time (enough for the bookkeeping)."""
+    marks = []
+    monkeypatch.setattr(timing.Timer, "_flush", lambda self: marks.append(time.perf_counter()))
+
+    def activities(loop):
+        marks.clear()
+        loop()
+        ends = [*marks[1:], time.perf_counter()]
+        recorded = []
+        for run, (flushed, ended) in enumerate(zip(marks, ends, strict=True)):
+            recorded.append((run * 1e6, run * 1e6 + 300, "fill<uint8>"))
+            recorded.append((run * 1e6 + 300, run * 1e6 + 300 + min((ended - flushed) * 1e6, 9e5), "kernel"))
+        return recorded
+
+    monkeypatch.setattr(timing, "gpu_activities", activities)
+
+
+def test_kernel_time_per_run_splits_the_profile_at_the_flushes():
+    flush = "fill<uint8>"
+    activities = [
+        (0, 300, flush),
+        (300, 310, "cast"),
+        (311, 312, "fill<uint8>"),  # the op's own small fill counts
+        (400, 700, flush),
+        (700, 705, "cast"),
+        (705, 707, "cast"),
+    ]
+    assert timing.kernel_time_per_run(list(reversed(activities)), 2) == [11.0, 7.0]
+    with pytest.raises(RuntimeError, match="found 2 L2 flushes in the profile of 3 runs"):
+        timing.kernel_time_per_run(activities, 3)
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        timing.kernel_time_per_run([], 1)
+
+
 def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    _fake_profiler(monkeypatch)
     case = _small_case("per_token_cast")
     op = registry.get_op(case.op)
     reference = op.reference()
@@ -382,6 +419,7 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     timer = timing.Timer(CPU, flush_bytes=1 << 10)
     measured = timing.time_case(op, case, call, timer, torch_compile=False)
     assert measured.optimized_us > 0 and measured.eager_us > 0 and measured.compiled_us is None
+    assert measured.optimized_stream_us > 0 and measured.as_dict()["optimized_stream_us"] > 0
     assert measured.host_us > 0 and measured.as_dict()["optimized_host_us"] == measured.host_us
     assert timing.MIN_REPS <= measured.reps["optimized"] <= timing.MAX_REPS
     assert "compiled" in measured.errors
@@ -417,6 +455,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(timing, "L2_FLUSH_BYTES", 1 << 10)
+    _fake_profiler(monkeypatch)
     monkeypatch.setattr(runner, "compile_pass", lambda cases, **kwargs: {case.label: None for case in cases})
     op = registry.get_op("per_token_cast")
     stand_in(op.name, op.reference())
@@ -430,7 +469,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text and "| host µs |" in text
+    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs |" in text
     assert "## Kernel builds" not in text  # the stand-in builds no kernel
     built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
     assert "## Kernel builds" in report.markdown(built) and "3.50" in report.markdown(built)
