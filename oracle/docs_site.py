@@ -1,0 +1,327 @@
+"""The documentation site's generated pages, written into each build and never into docs/.
+
+``generated_pages`` returns, by path inside the site's sources, an "Operators" page (one row per
+registered operator, from the registry itself, so the table cannot drift from what the oracle runs)
+and a "Latest H200 results" page (the newest timing report from docs/results/ embedded, then every
+committed report with the revision and date its JSON recorded). ``rewrite_links_for_site`` makes
+the pages' links that work on GitHub but not in a site built from docs/ alone (to files outside
+docs/, to folders) valid there. The mkdocs hook ``docs/hooks.py`` calls these; none of them needs
+mkdocs, so they are tested on the CPU (tests/test_docs_site.py).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import unicodedata
+from collections.abc import Collection, Iterator, Mapping
+from pathlib import Path
+
+from .registry import OpSpec, all_ops
+
+OPERATORS_PAGE = "operators.md"
+RESULTS_DIR = "results"
+# The results folder's index, so that the pages' existing links to "results/" land on it.
+RESULTS_PAGE = f"{RESULTS_DIR}/index.md"
+LATEST_REPORT = "benchmarks-h200"
+
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_INLINE_LINK = re.compile(r"(?<!!)\[([^\]]*)\]\(([^)\s]+)\)")
+_URL_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def generated_pages(docs_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> dict[str, str]:
+    """Every generated page's Markdown, by its path relative to ``docs_dir`` (POSIX separators)."""
+    docs_dir = Path(docs_dir)
+    return {
+        OPERATORS_PAGE: operators_page(docs_dir, ops),
+        RESULTS_PAGE: results_page(docs_dir / RESULTS_DIR),
+    }
+
+
+# --- Markdown helpers ---------------------------------------------------------------------------
+
+
+def _lines_outside_fences(markdown: str) -> Iterator[tuple[int, str, bool]]:
+    """(index, line, inside a fenced code block) for every line; fence lines count as inside, so
+    that "#" comments and link-like text in code are never taken for headings or links."""
+    fence = None
+    for index, line in enumerate(markdown.split("\n")):
+        match = _FENCE.match(line)
+        if fence is None and match:
+            fence = match.group(1)
+            yield index, line, True
+        elif fence is not None:
+            if match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence):
+                fence = None
+            yield index, line, True
+        else:
+            yield index, line, False
+
+
+def _plain_heading_text(text: str) -> str:
+    """A heading's text as Markdown renders it, for slugs: links keep their text, code loses its
+    backticks, emphasis markers go."""
+    text = _INLINE_LINK.sub(r"\1", text)
+    return re.sub(r"[`*]", "", text)
+
+
+def slugify(text: str) -> str:
+    """The anchor Python-Markdown's ``toc`` extension gives a heading (its default ``slugify``, with
+    "-"), repeated here so that links into pages are computed without importing Markdown."""
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def heading_anchors(markdown: str) -> list[tuple[str, str]]:
+    """(plain text, anchor) of every heading, in order, with ``toc``'s "_1", "_2" suffixes for
+    repeated anchors."""
+    anchors: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for _, line, in_code in _lines_outside_fences(markdown):
+        match = None if in_code else _HEADING.match(line)
+        if match is None:
+            continue
+        text = _plain_heading_text(match.group(2))
+        anchor = slugify(text)
+        if anchor in taken or not anchor:
+            base, count = anchor, 0
+            suffixed = re.match(r"^(.*)_([0-9]+)$", anchor)
+            if suffixed:
+                base, count = suffixed.group(1), int(suffixed.group(2))
+            count += 1
+            while f"{base}_{count}" in taken:
+                count += 1
+            anchor = f"{base}_{count}"
+        taken.add(anchor)
+        anchors.append((text, anchor))
+    return anchors
+
+
+def demote_headings(markdown: str) -> str:
+    """Every heading one level down (a level-6 heading stays), so that an embedded report's title
+    sits under the embedding page's own."""
+    lines = markdown.split("\n")
+    for index, line, in_code in _lines_outside_fences(markdown):
+        if not in_code and _HEADING.match(line) and not line.startswith("######"):
+            lines[index] = "#" + line
+    return "\n".join(lines)
+
+
+def rewrite_links_for_site(markdown: str, page_path: str, site_pages: Collection[str] = ()) -> str:
+    """The links of the page at ``page_path`` (relative to docs/), made valid in the site.
+
+    A link whose target lies outside docs/ (such as ``../README.md``) becomes its text followed by
+    the repository path in code: the site has no such file, and naming no particular host keeps the
+    site valid for any copy. A link to a folder (``results/``) whose ``index.md`` is among
+    ``site_pages`` points at that page: GitHub lists the folder, and mkdocs only resolves links to
+    pages, so left as it is the link would break on pages not at the site's top.
+    """
+
+    def replace(match: re.Match) -> str:
+        text, target = match.group(1), match.group(2)
+        if _URL_SCHEME.match(target) or target.startswith(("#", "/")):
+            return match.group(0)
+        path, hash_mark, fragment = target.partition("#")
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(page_path), path))
+        if resolved == ".." or resolved.startswith("../"):
+            return f"{text} (`{posixpath.relpath(resolved, '..')}` in the repository)"
+        if path.endswith("/") and posixpath.join(resolved, "index.md") in site_pages:
+            return f"[{text}]({path}index.md{hash_mark}{fragment})"
+        return match.group(0)
+
+    lines = markdown.split("\n")
+    for index, line, in_code in _lines_outside_fences(markdown):
+        if not in_code:
+            lines[index] = _INLINE_LINK.sub(replace, line)
+    return "\n".join(lines)
+
+
+def markdown_inside_details(markdown: str) -> str:
+    """``<details>`` blocks (the reports' case lists) marked ``markdown="1"``: GitHub renders the
+    Markdown inside them, Python-Markdown (with ``md_in_html``) only when asked to."""
+    lines = markdown.split("\n")
+    for index, line, in_code in _lines_outside_fences(markdown):
+        if not in_code:
+            lines[index] = re.sub(r"<details>", '<details markdown="1">', line)
+    return "\n".join(lines)
+
+
+def _cell(text: object) -> str:
+    # A "|" inside a cell would end it.
+    return str(text).replace("|", "\\|")
+
+
+# --- the Operators page -------------------------------------------------------------------------
+
+
+def twin_status(spec: OpSpec) -> str:
+    """Whether the operator has an optimized twin, as the oracle finds it."""
+    try:
+        twin = spec.optimized()
+    except Exception as error:  # a twin that exists but cannot be imported is shown, not hidden
+        return f"fails to import ({type(error).__name__})"
+    return "yes" if twin is not None else "no (reference only)"
+
+
+def operator_sections(docs_dir: Path, names: list[str]) -> dict[str, tuple[str, str]]:
+    """For each operator named in a heading of a top-level docs page (as a whole word), the first
+    such heading as (its text, the link ``page.md#anchor``), pages taken in name order."""
+    sections: dict[str, tuple[str, str]] = {}
+    for page in sorted(Path(docs_dir).glob("*.md")):
+        for text, anchor in heading_anchors(page.read_text(encoding="utf-8")):
+            for name in names:
+                if name not in sections and re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text):
+                    sections[name] = (text, f"{page.name}#{anchor}")
+    return sections
+
+
+def operators_page(docs_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> str:
+    """The Operators page: one row per registered operator, in registration order."""
+    docs_dir = Path(docs_dir)
+    ops = all_ops() if ops is None else ops
+    sections = operator_sections(docs_dir, list(ops))
+    rows = []
+    with_twin = 0
+    for name, spec in ops.items():
+        status = twin_status(spec)
+        with_twin += status == "yes"
+        full = spec.cases("full")
+        benchmarks = sum(case.benchmark for case in full)
+        if name in sections:
+            heading, link = sections[name]
+            docs = f"[{link.split('#')[0]} § {heading}]({link})"
+        elif (docs_dir / f"{spec.family}.md").exists():
+            docs = f"[{spec.family}.md]({spec.family}.md)"
+        else:
+            docs = "—"
+        cells = [f"`{name}`", spec.family, status, len(spec.cases("quick")), len(full), benchmarks, docs]
+        rows.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    families = list(dict.fromkeys(spec.family for spec in ops.values()))
+    return "\n".join(
+        [
+            "# Operators",
+            "",
+            f"{len(ops)} operators in {len(families)} families ({', '.join(families)}), {with_twin} with an "
+            "optimized twin. Generated from the oracle's registry (`tileproof.oracle.registry.all_ops()`) "
+            "when the site is built. Cases: how many configurations the oracle runs in each profile "
+            "(`quick` for CI, `full` for the GPU); benchmarks: the named workloads among the `full` "
+            "cases, always timed on a GPU. See [the oracle](oracle.md) for what every case checks.",
+            "",
+            "| operator | family | optimized twin | quick cases | full cases | benchmarks | documentation |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |",
+            *rows,
+            "",
+        ]
+    )
+
+
+# --- the Latest H200 results page ---------------------------------------------------------------
+
+
+def _environment(report_json: Path) -> tuple[dict, dict]:
+    """The (environment, summary) a JSON report recorded; empty for a file that is not one."""
+    try:
+        data = json.loads(report_json.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, {}
+    if not isinstance(data, dict):
+        return {}, {}
+    return data.get("environment") or {}, data.get("summary") or {}
+
+
+def _revision(environment: dict) -> str:
+    revision = environment.get("git_revision")
+    if not revision:
+        return "—"
+    # Reports spell a revision short or in full; seven digits are enough to find it.
+    text = f"`{revision[:7]}`"
+    return text + " (with uncommitted changes)" if environment.get("git_dirty") else text
+
+
+def _outcome(summary: dict) -> str:
+    """One line of a report's summary: an oracle run's verdicts or a mutation run's kills."""
+    if "cases" in summary:
+        words = [f"{summary.get('pass', 0)} of {summary['cases']} cases pass"]
+        for verdict in ("fail", "error", "reference_only"):
+            if summary.get(verdict):
+                words.append(f"{summary[verdict]} {verdict.replace('_', ' ')}")
+        return ", ".join(words)
+    if "killed" in summary:
+        text = f"{summary['killed']} of {summary.get('run', 0)} planted bugs caught"
+        return text + (f" ({summary['skipped']} skipped)" if summary.get("skipped") else "")
+    return "—"
+
+
+def report_rows(results_dir: Path) -> list[dict[str, str]]:
+    """One entry per committed report (the files sharing a stem), newest first; reports without a
+    recorded date (plain logs) last, by name."""
+    results_dir = Path(results_dir)
+    by_stem: dict[str, list[Path]] = {}
+    for path in sorted(results_dir.iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            by_stem.setdefault(path.stem, []).append(path)
+    rows = []
+    for stem, paths in by_stem.items():
+        suffixes = {path.suffix: path for path in paths}
+        environment, summary = _environment(suffixes[".json"]) if ".json" in suffixes else ({}, {})
+        main = suffixes.get(".md") or suffixes.get(".json") or paths[0]
+        rows.append(
+            {
+                "report": f"[{stem}]({main.name})",
+                "date": environment.get("date_utc") or "",
+                "revision": _revision(environment),
+                "profile": environment.get("profile") or "—",
+                "gpu": environment.get("gpu") or "—",
+                "outcome": _outcome(summary),
+                "files": ", ".join(f"[{path.suffix.lstrip('.')}]({path.name})" for path in paths),
+            }
+        )
+    dated = sorted((row for row in rows if row["date"]), key=lambda row: row["date"], reverse=True)
+    return dated + [row for row in rows if not row["date"]]
+
+
+def results_page(results_dir: Path, latest: str = LATEST_REPORT) -> str:
+    """The Latest H200 results page: the ``latest`` report embedded, then every committed report."""
+    results_dir = Path(results_dir)
+    latest_markdown = results_dir / f"{latest}.md"
+    if not latest_markdown.exists():
+        raise FileNotFoundError(f"the latest report {latest_markdown} is missing: the results page embeds it")
+    environment, _ = _environment(results_dir / f"{latest}.json")
+    measured = ", ".join(
+        part
+        for part in (
+            environment.get("gpu"),
+            f"revision {_revision(environment)}" if environment.get("git_revision") else None,
+            environment.get("date_utc"),
+        )
+        if part
+    )
+    table = [
+        "| report | date (UTC) | revision | profile | GPU | outcome | files |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report_rows(results_dir):
+        cells = [row[key] for key in ("report", "date", "revision", "profile", "gpu", "outcome", "files")]
+        table.append("| " + " | ".join(_cell(cell or "—") for cell in cells) + " |")
+    return "\n".join(
+        [
+            "# Latest H200 results",
+            "",
+            f"The newest timing report, [{latest}]({latest}.md)" + (f" ({measured})" if measured else "") + ", "
+            "embedded below as committed in `docs/results/`; every committed report is listed "
+            "[at the end](#every-committed-report).",
+            "",
+            demote_headings(latest_markdown.read_text(encoding="utf-8").strip()),
+            "",
+            "## Every committed report",
+            "",
+            "Newest first, with the revision and date each report's JSON recorded (logs have none).",
+            "",
+            *table,
+            "",
+        ]
+    )
