@@ -260,8 +260,11 @@ class DeviceCompileBatch:
     """The kernels lowered so far (their CUDA source, by key) and which tag (a case label) needed
     which kernel; ``compile`` runs nvcc over them and returns the errors per tag."""
 
-    def __init__(self, marker_dir: Path):
+    def __init__(self, marker_dir: Path, claim_dir: Path | None = None):
         self.marker_dir = marker_dir
+        # Batches in sibling processes share this folder: a kernel is lowered by the first batch
+        # to claim it, the others only note that their cases need it (merged by ``absorb``).
+        self.claim_dir = claim_dir
         self._lock = threading.Lock()
         self._local = threading.local()
         self._sources: dict[tuple, str] = {}  # kernel key -> CUDA source still to compile
@@ -283,15 +286,23 @@ class DeviceCompileBatch:
         with self._lock:
             self._tags.setdefault(tag, []).append(key)
             known = key in self._errors or key in self._sources
+        if not known and not self._claim(key):
+            return _UnlaunchableKernel(factory.qualified_name)
         if not known:
-            program = factory.get_tir(*args, **kwargs)
-            fingerprint = _fingerprint(program)
-            if (self.marker_dir / fingerprint).exists():
-                source = None
-            else:
-                target = tilelang.tvm.target.Target(compile_target())
-                with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
-                    source = tilelang.lower(program, target=target).kernel_source
+            try:
+                program = factory.get_tir(*args, **kwargs)
+                fingerprint = _fingerprint(program)
+                if (self.marker_dir / fingerprint).exists():
+                    source = None
+                else:
+                    target = tilelang.tvm.target.Target(compile_target())
+                    with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
+                        source = tilelang.lower(program, target=target).kernel_source
+            except Exception as error:
+                # Kept per kernel too: another process's cases that need it fail with it after ``absorb``.
+                with self._lock:
+                    self._errors[key] = f"{type(error).__name__}: {error}"[:4000]
+                raise
             with self._lock:
                 if source is None:
                     self._errors[key] = None
@@ -299,6 +310,18 @@ class DeviceCompileBatch:
                     self._sources[key] = source
                     self._fingerprints[key] = fingerprint
         return _UnlaunchableKernel(factory.qualified_name)
+
+    def _claim(self, key: tuple) -> bool:
+        """Whether this batch lowers ``key``: always without a claim folder, else only if no sibling
+        batch claimed it first (an exclusive create is atomic across processes)."""
+        if self.claim_dir is None:
+            return True
+        claim = self.claim_dir / hashlib.sha256(repr(key).encode()).hexdigest()
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
     def export(self) -> dict:
         """What this batch has learnt (picklable): for a batch in another process to ``absorb``."""
@@ -351,15 +374,18 @@ class DeviceCompileBatch:
 
 
 @contextmanager
-def batched_device_compile(marker_dir: Path | None = None) -> Iterator[DeviceCompileBatch]:
+def batched_device_compile(
+    marker_dir: Path | None = None, claim_dir: Path | None = None
+) -> Iterator[DeviceCompileBatch]:
     """Inside, ``compile_only`` calls lower their kernels and defer nvcc to ``batch.compile``.
-    Meant for machines without a GPU (the kernels are never loaded), one batch at a time."""
+    Meant for machines without a GPU (the kernels are never loaded), one batch at a time per
+    process; batches in sibling processes that share ``claim_dir`` lower each kernel once."""
     global _batch
     directory = marker_dir or Path(os.environ["TILELANG_CACHE_DIR"]) / "tileproof-device-checked"
     with _batch_lock:
         if _batch is not None:
             raise RuntimeError("batched_device_compile is already active")
-        _batch = DeviceCompileBatch(directory)
+        _batch = DeviceCompileBatch(directory, claim_dir)
     try:
         yield _batch
     finally:

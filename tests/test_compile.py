@@ -126,6 +126,36 @@ def test_batched_device_compile_keeps_factories_with_equal_arguments_apart(tmp_p
     assert len(batch._sources) == 2
 
 
+@pytest.mark.compile
+def test_sibling_batches_lower_each_kernel_once_and_share_its_outcome(tmp_path, monkeypatch):
+    """Lowering processes claim kernels in a shared folder: the second batch to need a kernel does
+    not lower it, and after merging, its cases get the kernel's outcome (built, or the error)."""
+    from tileproof.optimized import jit
+
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    first, second = (jit.DeviceCompileBatch(tmp_path / "markers", claims) for _ in range(2))
+    copy, negate = _copy_kernel_factory(""), _negate_kernel_factory()
+    with jit.compile_only():
+        first.run("first copy", lambda: first.lower(copy, ("",), {}))
+        second.run("second copy", lambda: second.lower(copy, ("",), {}))
+        assert len(first._sources) == 1 and not second._sources  # lowered once, by the first claim
+
+        def broken_lowering(*args, **kwargs):
+            raise RuntimeError("lowering broke")
+
+        monkeypatch.setattr(jit.tilelang, "lower", broken_lowering)
+        with pytest.raises(RuntimeError, match="lowering broke"):
+            second.run("second negate", lambda: second.lower(negate, ("",), {}))
+        first.run("first negate", lambda: first.lower(negate, ("",), {}))  # claimed by the second
+    merged = jit.DeviceCompileBatch(tmp_path / "markers")
+    merged.absorb(first.export())
+    merged.absorb(second.export())
+    failures = merged.compile(workers=1)
+    assert set(failures) == {"first negate", "second negate"}
+    assert all("lowering broke" in error for error in failures.values())
+
+
 def test_first_calls_of_kernel_configurations_are_timed_once():
     from tileproof.optimized import jit
 
