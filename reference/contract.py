@@ -123,7 +123,9 @@ class ScaleLayout:
         if self.kind == "row_major":
             return torch.empty((rows, columns), dtype=torch.float32, device=device)
         storage = torch.empty((columns, align(rows, 4)), dtype=self.dtype, device=device)
-        return storage.T[:rows]
+        # narrow, not indexing: a fake CUDA tensor on a PyTorch built without CUDA can be narrowed
+        # but not indexed from Python (the index sets a CUDA device guard that build lacks).
+        return storage.T.narrow(0, 0, rows)
 
 
 def per_token_scale_shape(num_tokens: int, hidden: int, num_per_channels: int) -> tuple[int, int]:

@@ -586,7 +586,7 @@ def expand_to_fused_with_sf(
     out = new_output(torch.empty(num_rows, data.shape[1], dtype=data.dtype, device=data.device))
     if use_tma_aligned_col_major_sf:
         storage = torch.empty(sf_columns, align(num_rows, 4), dtype=sf.dtype, device=sf.device)
-        out_sf = new_output(storage[:, :num_rows].T)
+        out_sf = new_output(storage.narrow(1, 0, num_rows).T)  # narrow: see ScaleLayout.empty
     else:
         out_sf = new_output(torch.empty(num_rows, sf_columns, dtype=sf.dtype, device=sf.device))
     _launch_expand(data, token_topk_to_pos, out, sf, out_sf)
