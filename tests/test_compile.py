@@ -161,16 +161,42 @@ def test_first_calls_of_kernel_configurations_are_timed_once():
 
     calls = []
     factory = jit.KernelFactory(lambda *args, **kwargs: calls.append(args) or "kernel", "tests.stand_in_kernel")
-    assert factory(3, vector=8) == factory(3, vector=8) == "kernel" and len(calls) == 2
+    first = factory(3, vector=8)
+    assert factory(3, vector=8) is first and first.kernel == "kernel" and len(calls) == 1  # built once
     factory(4)
     first_calls = jit.kernel_first_calls()
     assert {"tests.stand_in_kernel(3, vector=8)", "tests.stand_in_kernel(4)"} <= set(first_calls)
     assert all(seconds >= 0 for seconds in first_calls.values())
     with jit.outputs_only():
         stand_in = factory(5)
-    assert len(calls) == 3 and "tests.stand_in_kernel(5)" not in jit.kernel_first_calls()
+    assert len(calls) == 2 and "tests.stand_in_kernel(5)" not in jit.kernel_first_calls()
     with pytest.raises(RuntimeError, match="not launchable"):
         stand_in()
+
+
+def test_direct_launch_calls_the_executable_of_kernels_that_allocate_nothing():
+    """Kernels without TileLang-allocated outputs are called through their FFI executable (found
+    at the first launch, not before: loading it needs a GPU); others through the kernel object."""
+    from types import SimpleNamespace
+
+    from tileproof.optimized import jit
+
+    calls = []
+
+    class Kernel:
+        def __init__(self, result_idx):
+            executable = lambda *args: calls.append(("executable", args))  # noqa: E731
+            self.adapter = SimpleNamespace(result_idx=result_idx, _get_executable=lambda: executable)
+            self.name = "stand-in"
+
+        def __call__(self, *args):
+            calls.append(("adapter", args))
+
+    direct, allocating = jit.DirectLaunch(Kernel([])), jit.DirectLaunch(Kernel([2]))
+    assert direct.name == "stand-in" and not calls  # attributes pass through; nothing loaded yet
+    direct(1, 2)
+    allocating(3)
+    assert calls == [("executable", (1, 2)), ("adapter", (3,))]
 
 
 def test_a_cold_kernel_inside_a_cuda_graph_capture_says_how_to_warm_it(monkeypatch):
@@ -182,9 +208,9 @@ def test_a_cold_kernel_inside_a_cuda_graph_capture_says_how_to_warm_it(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     factory = jit.KernelFactory(lambda *args: "kernel", "tests.capture_stand_in")
-    assert factory(1) == "kernel"  # warm before the capture
+    assert factory(1).kernel == "kernel"  # warm before the capture
     capturing[0] = True
-    assert factory(1) == "kernel"  # a warm configuration launches inside the capture
+    assert factory(1).kernel == "kernel"  # a warm configuration launches inside the capture
     with pytest.raises(RuntimeError, match="tileproof precompile"):
         factory(2)
 
