@@ -693,6 +693,41 @@ def fma_fp32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where(nudge, torch.nextafter(s, toward), s).float()
 
 
+def check_reduce_inputs(
+    x, topk_weights, token_topk_to_pos, fp8_format, sf, *, values: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """``reduce_fused``'s arguments (both twins); returns ``(data, x_sf, T, k)``, ``x_sf`` None for a
+    plain ``x``. A pair's tensors are named ``x[0]`` and ``x[1]``, as every pair argument is.
+    ``values=False`` checks token_topk_to_pos's dtype and shape only (no read-back of its entries:
+    the optimized twin, which would otherwise synchronize with the GPU)."""
+    x_sf, data_name = None, "x"
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise TypeError(f"x must be a tensor or a (data, x_sf) pair, got a tuple of {len(x)} items")
+        (x, x_sf), data_name = x, "x[0]"
+    check_tensor(data_name, x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
+    check_choice("fp8_format", fp8_format, FP8_FORMATS)
+    num_positions = x.shape[0]
+    if values:
+        _check_positions(token_topk_to_pos, num_positions)
+    else:
+        check_indices("token_topk_to_pos", token_topk_to_pos)
+    num_tokens, num_topk = token_topk_to_pos.shape
+    if x_sf is not None:
+        check_tensor("x[1]", x_sf, dtypes=SCORE_DTYPES, ndim=1)
+        if x_sf.shape[0] != num_positions:
+            raise ValueError(f"x[1] (x_sf) must have shape ({num_positions},), got {tuple(x_sf.shape)}")
+    if topk_weights is not None:
+        check_scores("topk_weights", topk_weights, ndim=2)
+        if tuple(topk_weights.shape) != (num_tokens, num_topk):
+            raise ValueError(f"topk_weights must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
+    if sf is not None:
+        check_tensor("sf", sf, dtypes=SCORE_DTYPES, ndim=1)
+        if sf.shape[0] != 1:
+            raise ValueError(f"sf must have shape (1,), got {tuple(sf.shape)}")
+    return x, x_sf, num_tokens, num_topk
+
+
 def reduce_fused(
     x,
     topk_weights: torch.Tensor | None,
@@ -728,28 +763,7 @@ def reduce_fused(
     Returns:
         ``[T, H]`` in ``x``'s (data) dtype, or float8_e4m3fn with ``fp8_format='e4m3'``; contiguous.
     """
-    x_sf = None
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError("x must be a tensor or a (data, x_sf) tuple")
-        x, x_sf = x
-    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
-    check_choice("fp8_format", fp8_format, FP8_FORMATS)
-    num_positions = x.shape[0]
-    _check_positions(token_topk_to_pos, num_positions)
-    num_tokens, num_topk = token_topk_to_pos.shape
-    if x_sf is not None:
-        check_tensor("x_sf", x_sf, dtypes=SCORE_DTYPES, ndim=1)
-        if x_sf.shape[0] != num_positions:
-            raise ValueError(f"x_sf must have shape ({num_positions},), got {tuple(x_sf.shape)}")
-    if topk_weights is not None:
-        check_scores("topk_weights", topk_weights, ndim=2)
-        if tuple(topk_weights.shape) != (num_tokens, num_topk):
-            raise ValueError(f"topk_weights must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
-    if sf is not None:
-        check_tensor("sf", sf, dtypes=SCORE_DTYPES, ndim=1)
-        if sf.shape[0] != 1:
-            raise ValueError(f"sf must have shape (1,), got {tuple(sf.shape)}")
+    x, x_sf, num_tokens, num_topk = check_reduce_inputs(x, topk_weights, token_topk_to_pos, fp8_format, sf)
     acc = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
     for j in range(num_topk):
         pos = token_topk_to_pos[:, j].to(torch.int64)

@@ -48,13 +48,11 @@ than 8 bytes per element are refused (``TypeError``).
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import align, check_bool, check_choice, check_int, check_tensor
+from tileproof.reference.contract import align, check_bool, check_int, check_tensor
 from tileproof.reference.moe import (
-    FP8_FORMATS,
     INDEX_DTYPES,
-    SCORE_DTYPES,
     check_indices,
-    check_scores,
+    check_reduce_inputs,
 )
 
 from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
@@ -603,32 +601,13 @@ def reduce_fused(
     """Combine each token's expert outputs: a weighted sum over its slots in fp32, FMAs in slot order,
     then ``· sf[0]`` and one rounding (or e4m3 encoding). Same contract as
     ``tileproof.reference.moe.reduce_fused``, bit for bit."""
-    x_sf = None
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise TypeError("x must be a tensor or a (data, x_sf) tuple")
-        x, x_sf = x
-    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=2)
-    check_choice("fp8_format", fp8_format, FP8_FORMATS)
-    num_positions = x.shape[0]
-    check_indices("token_topk_to_pos", token_topk_to_pos)
-    num_tokens, num_topk = token_topk_to_pos.shape
-    if x_sf is not None:
-        check_tensor("x_sf", x_sf, dtypes=SCORE_DTYPES, ndim=1)
-        if x_sf.shape[0] != num_positions:
-            raise ValueError(f"x_sf must have shape ({num_positions},), got {tuple(x_sf.shape)}")
-    if topk_weights is not None:
-        check_scores("topk_weights", topk_weights, ndim=2)
-        if tuple(topk_weights.shape) != (num_tokens, num_topk):
-            raise ValueError(f"topk_weights must have shape {(num_tokens, num_topk)}, got {tuple(topk_weights.shape)}")
-    if sf is not None:
-        check_tensor("sf", sf, dtypes=SCORE_DTYPES, ndim=1)
-        if sf.shape[0] != 1:
-            raise ValueError(f"sf must have shape (1,), got {tuple(sf.shape)}")
+    x, x_sf, num_tokens, num_topk = check_reduce_inputs(
+        x, topk_weights, token_topk_to_pos, fp8_format, sf, values=False
+    )
     for name, tensor in (
-        ("x", x),
+        ("x" if x_sf is None else "x[0]", x),
         ("token_topk_to_pos", token_topk_to_pos),
-        ("x_sf", x_sf),
+        ("x[1]", x_sf),
         ("topk_weights", topk_weights),
         ("sf", sf),
     ):
