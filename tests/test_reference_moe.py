@@ -10,6 +10,7 @@ and fp32 results of a fixed sequence of IEEE operations must agree bitwise.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import struct
 from fractions import Fraction
@@ -637,6 +638,25 @@ def test_top2_sum_gate_deepseek_v3():
     assert idx.dtype == torch.int64 and weights.dtype == torch.float32
     assert idx.tolist() == want_idx
     torch.testing.assert_close(weights, torch.tensor(want_weights), rtol=4e-7, atol=0)
+
+
+@pytest.mark.parametrize("twin", ["reference", "optimized"])
+def test_top2_sum_gate_group_limiting_needs_two_experts_per_group(twin):
+    """Groups are ranked by the sum of their top-2 scores: one expert per group is refused by name
+    (it used to fail on an argument of an inner function the caller never passed)."""
+    from tileproof.optimized.jit import outputs_only
+
+    logits, bias = torch.randn(3, 8, generator=gen(23)), torch.zeros(8)
+    if twin == "reference":
+        gate, context = rm.top2_sum_gate, contextlib.nullcontext
+    else:
+        from tileproof.optimized.moe import top2_sum_gate as gate
+
+        context = outputs_only  # validation and outputs only: no kernel built
+    with context(), pytest.raises(ValueError, match="^group limiting .* at least 2 experts per group .* got 8$"):
+        gate(logits, bias, 2, 4, 8, False, 0, 1.0, 0, 1, 0, 1, "softmax")
+    with context():
+        gate(logits, bias, 2, 2, 4, False, 0, 1.0, 0, 1, 0, 1, "softmax")  # two per group: accepted
 
 
 def test_top2_sum_gate_mask_shared_and_ranks():

@@ -49,13 +49,13 @@ announces.
 import tilelang.language as T
 import torch
 
-from tileproof.reference.contract import ceil_div, check_bool, check_choice, check_int, check_tensor
+from tileproof.reference.contract import ceil_div, check_choice, check_int
 from tileproof.reference.moe import (
     NUM_TOPK_SUM_CHOICES,
     REPLICA_HASH_PRIME,
-    SCORING_FUNCS,
     SOFTPLUS_THRESHOLD,
     WEIGHT_EPSILON,
+    check_router_arguments,
     check_scores,
 )
 
@@ -749,92 +749,6 @@ def router_per_lane(num_experts: int, group_size: int) -> int:
     return width if width <= MAX_PER_LANE else 0
 
 
-def _check_router_arguments(
-    logits,
-    bias,
-    num_topk,
-    num_topk_groups,
-    num_groups,
-    use_shared_as_routed,
-    num_shared_experts,
-    routed_scaling_factor,
-    ep_rank,
-    num_ep_ranks,
-    tp_rank,
-    num_tp_ranks,
-    scoring_func,
-    mask,
-    fix_routing_mask,
-    to_physical_map,
-    logical_count,
-    unmapped_topk_idx,
-) -> tuple[int, int]:
-    """The reference's argument rules, minus the three that read tensor data (finite logits, the
-    fixed rows' indices, ``logical_count``'s range): those the kernel device-asserts. Returns
-    ``(num_shared, num_extra)``."""
-    check_scores("logits", logits, ndim=2)
-    check_scores("bias", bias, ndim=1)
-    num_tokens, num_routed = logits.shape
-    if bias.shape[0] != num_routed:
-        raise ValueError(f"bias must have shape ({num_routed},), got {tuple(bias.shape)}")
-    check_int("num_topk", num_topk, low=1, high=num_routed)
-    check_int("num_groups", num_groups, low=0)
-    check_int("num_topk_groups", num_topk_groups, low=0, high=num_groups)
-    if (num_groups == 0) != (num_topk_groups == 0):
-        raise ValueError(f"num_topk_groups must be 0 when num_groups is 0, got {num_topk_groups}")
-    if num_groups and num_routed % num_groups:
-        raise ValueError(f"num_groups must divide the number of experts ({num_routed}), got {num_groups}")
-    if num_groups != num_topk_groups and num_topk > num_topk_groups * (num_routed // num_groups):
-        raise ValueError(f"num_topk must be <= the experts of the kept groups, got {num_topk}")
-    check_bool("use_shared_as_routed", use_shared_as_routed)
-    num_shared = 0
-    if use_shared_as_routed:
-        num_shared = check_int("num_shared_experts", num_shared_experts, low=1, high=2)
-        if num_topk % num_shared or num_routed % (num_topk // num_shared):
-            raise ValueError(f"num_shared_experts must divide num_topk ({num_topk}) evenly, got {num_shared}")
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-        raise TypeError(f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}")
-    check_int("num_ep_ranks", num_ep_ranks, low=1)
-    check_int("ep_rank", ep_rank, low=0, high=num_ep_ranks - 1)
-    check_int("num_tp_ranks", num_tp_ranks, low=1)
-    check_int("tp_rank", tp_rank, low=0, high=num_tp_ranks - 1)
-    check_choice("scoring_func", scoring_func, SCORING_FUNCS)
-    for name, flags in (("mask", mask), ("fix_routing_mask", fix_routing_mask)):
-        if flags is not None:
-            check_tensor(name, flags, dtypes=(torch.bool,), ndim=1)
-            if flags.shape[0] != num_tokens:
-                raise ValueError(f"{name} must have shape ({num_tokens},), got {tuple(flags.shape)}")
-    if unmapped_topk_idx is not None:
-        check_tensor("unmapped_topk_idx", unmapped_topk_idx, dtypes=(torch.int64,), ndim=2)
-        if tuple(unmapped_topk_idx.shape) != (num_tokens, num_topk):
-            shape = tuple(unmapped_topk_idx.shape)
-            raise ValueError(f"unmapped_topk_idx must have shape {(num_tokens, num_topk)}, got {shape}")
-        if num_topk > 1 and unmapped_topk_idx.stride(1) != 1:
-            raise ValueError(
-                "unmapped_topk_idx must have unit stride in its last dimension (a row stride larger than the "
-                f"row is fine), got strides {tuple(unmapped_topk_idx.stride())}"
-            )
-    if fix_routing_mask is not None and unmapped_topk_idx is None:
-        raise ValueError("fix_routing_mask needs unmapped_topk_idx, which holds the fixed indices")
-    if (to_physical_map is None) != (logical_count is None):
-        raise ValueError("to_physical_map and logical_count must be given together")
-    num_extra = 0
-    if to_physical_map is not None:
-        check_tensor("to_physical_map", to_physical_map, dtypes=(torch.int32,), ndim=2)
-        check_tensor("logical_count", logical_count, dtypes=(torch.int32,), ndim=1)
-        num_logical = num_routed + num_shared
-        if to_physical_map.shape[0] != num_logical or logical_count.shape[0] != num_logical:
-            raise ValueError(f"to_physical_map and logical_count must have {num_logical} rows")
-        num_extra = to_physical_map.shape[1] - 1
-    if num_shared > num_extra:
-        raise ValueError(f"num_shared_experts must be <= num_extra_experts ({num_extra}), got {num_shared}")
-    if (num_routed + num_extra) % num_ep_ranks:
-        raise ValueError(
-            f"num_ep_ranks must divide the physical experts ({num_routed + num_extra}), got {num_ep_ranks}"
-        )
-    return num_shared, num_extra
-
-
 def top2_sum_gate(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -858,7 +772,7 @@ def top2_sum_gate(
     """The DeepSeek-V3-style router in one kernel: same arguments, steps and results as
     ``tileproof.reference.moe.top2_sum_gate`` (``unmapped_topk_idx`` written in place); up to
     ``32·32`` routed experts. Returns ``(topk_idx int64 [T, k + S], topk_weights fp32 [T, k + S])``."""
-    num_shared, num_extra = _check_router_arguments(
+    num_shared, num_extra = check_router_arguments(
         logits,
         bias,
         num_topk,
@@ -877,6 +791,7 @@ def top2_sum_gate(
         to_physical_map,
         logical_count,
         unmapped_topk_idx,
+        values=False,
     )
     optional = (("mask", mask), ("fix_routing_mask", fix_routing_mask), ("to_physical_map", to_physical_map))
     for name, tensor in (("logits", logits), ("bias", bias), *optional, ("logical_count", logical_count)):
