@@ -320,7 +320,8 @@ def mhc_pre_big_fuse(
     )
 
     mixes = mhc_pre_norm_fn(residual, fn, mhc_norm_weight, rms_eps)
-    pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, n, post_mult, pre_eps)
+    # n is residual's size (a SymInt under dynamic shapes); the split takes it as a plain int argument.
+    pre_mix, post_mix, comb_logits = mhc_pre_split_mixes(mixes, mhc_scale, mhc_base, int(n), post_mult, pre_eps)
     comb_mix = sinkhorn_normalize(comb_logits, repeat=repeat, eps=sinkhorn_eps)
     layer_input = mhc_pre_apply_mix(residual, pre_mix)
     return post_mix, comb_mix, layer_input

@@ -25,6 +25,11 @@ Differences from the reference, all deliberate:
 
 The three norm-fn / fused kernels (``mhc_pre_norm_fn``, ``mhc_pre_norm_fn_bwd``,
 ``mhc_pre_big_fuse``) are looked up on ``tileproof.optimized.mhc`` at call time.
+
+**torch.compile.** The layers compile with ``fullgraph=True``: inside ``torch.compile`` every kernel
+is called as its custom operator ``torch.ops.tileproof.<name>`` (``tileproof.optimized.library``),
+which dynamo keeps opaque and traces through its fake implementation, instead of the plain launcher,
+Python that dynamo cannot trace (see ``_kernels``).
 """
 
 import math
@@ -70,8 +75,43 @@ def _rows(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _num_partials(device: torch.device, tokens: int) -> int:
     """One ``dw_partial`` block per SM (the backward's persistent grid), at most one per token."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_PARTIALS
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()  # fake CUDA tensors need no GPU
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else DEFAULT_PARTIALS
     return max(1, min(sms, tokens))
+
+
+def _kernels(module):
+    """Where the layers find their kernels: ``module`` (``engram`` or ``mhc``), the plain launchers,
+    in eager mode; ``torch.ops.tileproof`` while ``torch.compile`` traces.
+
+    The launchers are Python that dynamo cannot trace (TileLang's factories, data pointers); each
+    custom operator is opaque to dynamo, with the launcher under ``outputs_only`` as its fake
+    implementation, so a compiled model has no graph break at a layer. Eager calls keep the
+    launchers: the dispatcher adds host time to every call. The operators take the launchers'
+    arguments, under the same names, for every kernel called here, and return the same results but
+    for an output a launcher returns as None, an empty tensor there; of those the layers read one,
+    ``mhc_pre_norm_fn_bwd``'s norm-weight gradient without a norm weight (``_norm_fn_bwd``).
+
+    Why not ``torch.library.register_autograd`` on layer-level operators instead: each layer's
+    forward and backward compose several kernels, so it would take a new operator per layer forward
+    and per backward (with fakes composed of the kernels' fakes) for what is a choice of callable
+    here; and the Engram gate's backward writes into a gain's ``main_grad`` in place, looked up when
+    the backward runs, a side effect outside the gradients a registered backward returns. Dynamo
+    traces these ``autograd.Function``s as they are, forward and backward (it lifts ``main_grad`` as
+    a graph input and copies the sum back into it).
+    """
+    if torch.compiler.is_compiling():
+        from . import library  # noqa: F401  (registers torch.ops.tileproof; imported on first need)
+
+        return torch.ops.tileproof
+    return module
+
+
+def _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps: float):
+    """``mhc_pre_norm_fn_bwd`` → ``(dresidual, dfn, dnorm_weight or None)``: without a norm weight its
+    operator returns an empty tensor for ``dnorm_weight`` (schemas return no None), the launcher None."""
+    d_residual, d_fn, d_weight = _kernels(mhc).mhc_pre_norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps)
+    return d_residual, d_fn, None if norm_weight is None else d_weight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,9 +127,10 @@ class _EngramGateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, k, v, weight_hidden, weight_embed, clamp_value: float, eps: float):
-        w = engram.fused_weight(weight_hidden, weight_embed)
+        kernels = _kernels(engram)
+        w = kernels.fused_weight(weight_hidden, weight_embed)
         save = any(ctx.needs_input_grad[:5])
-        out, dot, gate, rstd_x, rstd_k = engram.engram_gate_fwd(x, k, v, w, eps, clamp_value, save_for_backward=save)
+        out, dot, gate, rstd_x, rstd_k = kernels.engram_gate_fwd(x, k, v, w, eps, clamp_value, save_for_backward=save)
         if save:
             ctx.save_for_backward(x, k, v, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k)
             ctx.gains = (weight_hidden, weight_embed)  # their main_grad is read at backward time
@@ -98,11 +139,12 @@ class _EngramGateFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        kernels = _kernels(engram)
         x, k, v, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k = ctx.saved_tensors
         tokens, streams, hidden = x.shape
         grad_out = grad_out.contiguous()
         partials = _num_partials(x.device, tokens)
-        dx, dk, dv, dw_partial = engram.engram_gate_bwd(
+        dx, dk, dv, dw_partial = kernels.engram_gate_bwd(
             grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, ctx.clamp_value, num_partials=partials
         )
         need_x, need_k, need_v, need_wh, need_we = ctx.needs_input_grad[:5]
@@ -114,7 +156,7 @@ class _EngramGateFunction(torch.autograd.Function):
                 fresh = main_grad is None
                 accumulator = torch.zeros((streams, hidden), dtype=F32, device=x.device) if fresh else main_grad
                 accumulators.append((accumulator, needed and fresh))
-            engram.grad_w_reduce(dw_partial, weight_hidden, weight_embed, accumulators[0][0], accumulators[1][0])
+            kernels.grad_w_reduce(dw_partial, weight_hidden, weight_embed, accumulators[0][0], accumulators[1][0])
             # A gain without main_grad gets the fp32 sum rounded once, as autograd casts the reference's.
             grads_w = [acc.to(BF16) if to_grad else None for acc, to_grad in accumulators]
         return (dx if need_x else None, dk if need_k else None, dv if need_v else None, *grads_w, None, None)
@@ -184,11 +226,11 @@ class _ExpandFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, n: int):
-        return mhc.expand_to_mhc(x, n)
+        return _kernels(mhc).expand_to_mhc(x, n)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return mhc.expand_to_mhc_bwd(grad_output.contiguous()), None
+        return _kernels(mhc).expand_to_mhc_bwd(grad_output.contiguous()), None
 
 
 def expand_from_embedding(x: torch.Tensor, mhc_mult: int = 4) -> torch.Tensor:
@@ -213,10 +255,11 @@ class _MHCPreFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, residual, fn, scale, base, norm_weight, options: tuple):
         norm_eps, n, post_mult, pre_eps, sinkhorn_eps, repeat = options
-        mixes = mhc.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps)
-        pre_mix, post_mix, comb_logits = mhc.mhc_pre_split_mixes(mixes, scale, base, n, post_mult, pre_eps)
-        comb_mix = mhc.sinkhorn_normalize(comb_logits, repeat, sinkhorn_eps)
-        layer_input = mhc.mhc_pre_apply_mix(residual, pre_mix)
+        kernels = _kernels(mhc)
+        mixes = kernels.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps)
+        pre_mix, post_mix, comb_logits = kernels.mhc_pre_split_mixes(mixes, scale, base, n, post_mult, pre_eps)
+        comb_mix = kernels.sinkhorn_normalize(comb_logits, repeat, sinkhorn_eps)
+        layer_input = kernels.mhc_pre_apply_mix(residual, pre_mix)
         ctx.save_for_backward(residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits)
         ctx.options = options
         return layer_input, post_mix, comb_mix
@@ -225,12 +268,13 @@ class _MHCPreFunction(torch.autograd.Function):
     def backward(ctx, grad_layer_input, grad_post, grad_comb):
         residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits = ctx.saved_tensors
         norm_eps, n, post_mult, _, sinkhorn_eps, repeat = ctx.options
-        grad_logits = mhc.sinkhorn_normalize_bwd(grad_comb.contiguous(), comb_logits, repeat, sinkhorn_eps)
-        d_apply, grad_pre = mhc.mhc_pre_apply_mix_bwd(grad_layer_input.contiguous(), residual, pre_mix)
-        grad_mixes, grad_scale, grad_base = mhc.mhc_pre_split_mixes_bwd(
+        kernels = _kernels(mhc)
+        grad_logits = kernels.sinkhorn_normalize_bwd(grad_comb.contiguous(), comb_logits, repeat, sinkhorn_eps)
+        d_apply, grad_pre = kernels.mhc_pre_apply_mix_bwd(grad_layer_input.contiguous(), residual, pre_mix)
+        grad_mixes, grad_scale, grad_base = kernels.mhc_pre_split_mixes_bwd(
             grad_pre, grad_post.contiguous(), grad_logits, mixes, scale, base, n, post_mult
         )
-        d_norm, grad_fn, grad_norm_weight = mhc.mhc_pre_norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps)
+        d_norm, grad_fn, grad_norm_weight = _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps)
         # The residual's two terms inside this layer: summed in fp32 (d_apply is bf16 already: the
         # pre-apply kernel rounds it), then rounded once to the residual's dtype.
         grad_residual = d_norm.add_(d_apply).to(BF16) if ctx.needs_input_grad[0] else None
@@ -274,7 +318,7 @@ def mhc_pre(
     streams = _rows(residual, (math.prod(lead), n, hidden))
 
     if not torch.is_grad_enabled():
-        post_mix, comb_mix, layer_input = mhc.mhc_pre_big_fuse(
+        post_mix, comb_mix, layer_input = _kernels(mhc).mhc_pre_big_fuse(
             streams,
             fn,
             scale,
@@ -302,11 +346,11 @@ class _MHCPostFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, post_layer_mix, comb_res_mix):
         ctx.save_for_backward(x, residual, post_layer_mix, comb_res_mix)
-        return mhc.mhc_post(x, residual, post_layer_mix, comb_res_mix)
+        return _kernels(mhc).mhc_post(x, residual, post_layer_mix, comb_res_mix)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return mhc.mhc_post_bwd(grad_output.contiguous(), *ctx.saved_tensors)
+        return _kernels(mhc).mhc_post_bwd(grad_output.contiguous(), *ctx.saved_tensors)
 
 
 def mhc_post(
@@ -338,22 +382,22 @@ class _MHCHeadFunction(torch.autograd.Function):
     def forward(ctx, residual, fn, scale, base, norm_weight, norm_eps: float, pre_eps: float):
         n = residual.shape[1]
         scale_1 = scale.reshape(1)
-        mixes = mhc.mhc_pre_norm_fn(residual, fn[:n], norm_weight, norm_eps)
-        head_mix = mhc.mhc_head_compute_mix(mixes, scale_1, base, pre_eps)
+        kernels = _kernels(mhc)
+        mixes = kernels.mhc_pre_norm_fn(residual, fn[:n], norm_weight, norm_eps)
+        head_mix = kernels.mhc_head_compute_mix(mixes, scale_1, base, pre_eps)
         ctx.save_for_backward(residual, fn, scale_1, base, norm_weight, mixes, head_mix)
         ctx.scale_shape = scale.shape
         ctx.norm_eps = norm_eps
-        return mhc.mhc_pre_apply_mix(residual, head_mix)
+        return kernels.mhc_pre_apply_mix(residual, head_mix)
 
     @staticmethod
     def backward(ctx, grad_output):
         residual, fn, scale_1, base, norm_weight, mixes, head_mix = ctx.saved_tensors
         n = residual.shape[1]
-        d_apply, grad_mix = mhc.mhc_pre_apply_mix_bwd(grad_output.contiguous(), residual, head_mix)
-        grad_mixes, grad_scale, grad_base = mhc.mhc_head_compute_mix_bwd(grad_mix, mixes, scale_1, base)
-        d_norm, grad_rows, grad_norm_weight = mhc.mhc_pre_norm_fn_bwd(
-            grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps
-        )
+        kernels = _kernels(mhc)
+        d_apply, grad_mix = kernels.mhc_pre_apply_mix_bwd(grad_output.contiguous(), residual, head_mix)
+        grad_mixes, grad_scale, grad_base = kernels.mhc_head_compute_mix_bwd(grad_mix, mixes, scale_1, base)
+        d_norm, grad_rows, grad_norm_weight = _norm_fn_bwd(grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps)
         grad_fn = grad_rows
         if fn.shape[0] != n:
             # The rows beyond n (TileKernels' zero padding) take no part: their gradient is 0.

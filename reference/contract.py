@@ -45,8 +45,10 @@ class QuantFormat:
     values_per_byte: int | Fraction
 
     def logical_hidden(self, columns: int) -> int:
-        """Values in a stored row of ``columns`` bytes (elements)."""
-        return int(columns * Fraction(self.values_per_byte))
+        """Values in a stored row of ``columns`` bytes (elements). Integer arithmetic only: under
+        dynamic shapes (``torch.compile``, ``opcheck``) ``columns`` is a ``SymInt``."""
+        ratio = Fraction(self.values_per_byte)
+        return columns * ratio.numerator // ratio.denominator
 
 
 E4M3 = QuantFormat("e4m3", 448.0, 1e-4, torch.float8_e4m3fn, 1)
