@@ -49,6 +49,7 @@ from tileproof.reference.modeling import (
 )
 
 from . import engram, mhc
+from .jit import require_cuda
 
 __all__ = list(reference_modeling.__all__)  # the same public names as the reference twin
 
@@ -195,6 +196,11 @@ def engram_gate(
     check_main_grad("weight_hidden", weight_hidden, compute)
     check_main_grad("weight_embed", weight_embed, compute)
     _require_bf16("hidden_states", hidden_states)
+    # Checked here so that a refusal names the layer's arguments, not the kernels' (fused_weight's wh).
+    for name, tensor in (("hidden_states", hidden_states), ("k", k), ("v", v)):
+        require_cuda(name, tensor)
+    require_cuda("weight_hidden", weight_hidden)
+    require_cuda("weight_embed", weight_embed)
 
     tokens = math.prod(lead)
     out = _EngramGateFunction.apply(
@@ -241,6 +247,7 @@ def expand_from_embedding(x: torch.Tensor, mhc_mult: int = 4) -> torch.Tensor:
         raise ValueError(f"x must be [..., C] (at least 1-D), got shape {tuple(x.shape)}")
     n = check_positive_int("mhc_mult", mhc_mult)
     _require_bf16("x", x)
+    require_cuda("x", x)  # named as the layer's argument, not expand_to_mhc's
     hidden = x.shape[-1]
     streams = _ExpandFunction.apply(_rows(x, (math.prod(x.shape[:-1]), hidden)), n)
     return streams.reshape(*x.shape[:-1], n, hidden)

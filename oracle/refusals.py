@@ -71,19 +71,7 @@ EXCEPTIONS: dict[tuple[str, str, str], str] = {
 
 # (entry, twin, rule, argument) -> a refusal that is missing or misnamed, not fixed yet: its test is
 # an xfail(strict=True) with this reason, so the fix turns it into a failure until it is removed here.
-_LAYER_DEVICE = (
-    "optimized/modeling.py leaves the device check to the kernel it calls, whose message names the "
-    "kernel's argument ({inner}), not the layer's ({outer}); fix: require_cuda on the layer's own "
-    "arguments first (optimized/modeling.py is outside this change)"
-)
-KNOWN_BUGS: dict[tuple[str, str, str, str], str] = {
-    ("engram_gate_layer.engram_gate", "optimized", "device", "*"): _LAYER_DEVICE.format(
-        inner="fused_weight's wh", outer="weight_hidden"
-    ),
-    ("mhc_pipeline.expand_from_embedding", "optimized", "device", "*"): _LAYER_DEVICE.format(
-        inner="expand_to_mhc's hidden", outer="x"
-    ),
-}
+KNOWN_BUGS: dict[tuple[str, str, str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,11 @@ def test_every_layer_runs_forward_and_backward_under_compile_only(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def _cpu_stand_in_device(name, tensor):
+    """The layers refuse CPU tensors (with the layer's argument names); over the reference
+    operators on the CPU they are the point, so that check is the one thing swapped out."""
+
+
 @pytest.mark.parametrize("op_name", ("engram_gate_layer", "mhc_pipeline"))
 def test_layer_wiring_over_the_reference_operators_passes_the_oracle(monkeypatch, op_name, seed):
     """The layers' autograd wiring on the CPU: with the kernel modules swapped for the reference
@@ -251,6 +256,7 @@ def test_layer_wiring_over_the_reference_operators_passes_the_oracle(monkeypatch
     modeling = _optimized()
     monkeypatch.setattr(modeling, "engram", reference_engram)
     monkeypatch.setattr(modeling, "mhc", reference_mhc)
+    monkeypatch.setattr(modeling, "require_cuda", _cpu_stand_in_device)
     op = registry.get_op(op_name)
     twin = runner.backend_twin("layers", types.SimpleNamespace(**{op_name: spec_module.LayerDriver(op, modeling)}))
     small = [case for case in registry.cases_of(op_name, "quick") if case.params.hidden <= 768]
@@ -272,6 +278,7 @@ def test_head_rows_scalar_scale_and_no_grad_path_over_the_reference_operators(mo
     modeling = _optimized()
     monkeypatch.setattr(modeling, "engram", reference_engram)
     monkeypatch.setattr(modeling, "mhc", reference_mhc)
+    monkeypatch.setattr(modeling, "require_cuda", _cpu_stand_in_device)
     tokens, hidden = 5, 16
     residual = torch.randn(tokens, N, hidden, generator=generator).to(BF16)
     fn = torch.randn(M3, N * hidden, generator=generator) / 16
