@@ -114,6 +114,7 @@ BENCHMARKS = {
     ],
     "batched_transpose": [
         ("batched_transpose bf16 8×4096×7168", TransposeParams(4096, 7168, "bf16", batch=8)),
+        ("batched_transpose e4m3 8×4096×7168", TransposeParams(4096, 7168, "e4m3", batch=8)),
         (
             "batched_transpose e4m3 32×1023×2050 (tails), row stride 2112",
             TransposeParams(1023, 2050, "e4m3", batch=32, row_stride=2112),
