@@ -46,7 +46,6 @@ from tileproof.reference.engram import (
     check_gate_bwd_inputs,
     check_gate_inputs,
     check_hash_inputs,
-    check_hash_values,
     check_unit_last_stride,
 )
 
@@ -165,9 +164,16 @@ def hash_kernel(threads: int = HASH_THREADS):
                 # without C's undefined signed overflow.
                 mixed[0] = T.uint64(0)
                 for i in T.serial(order):
-                    token_id = T.cast(T.cast(ids[ids_row + i * ids_column_stride], "int64"), "uint64")
-                    mixed[0] = mixed[0] ^ (token_id * T.cast(multipliers[layer * max_ngram + i], "uint64"))
+                    token_id = ids[ids_row + i * ids_column_stride]
+                    T.device_assert(token_id >= 0, "engram_hash: ngram_token_ids must be non-negative")
+                    token_id_bits = T.cast(T.cast(token_id, "int64"), "uint64")
+                    mixed[0] = mixed[0] ^ (token_id_bits * T.cast(multipliers[layer * max_ngram + i], "uint64"))
                 size = T.cast(vocab_sizes[layer * columns + column], "int64")
+                T.device_assert(size > 0, "engram_hash: vocab_sizes must be positive")
+                T.device_assert(
+                    T.cast(offsets[layer * columns + column], "int64") + size - 1 <= _INT32_MAX,
+                    "engram_hash: offsets + vocab_sizes must fit in int32",
+                )
                 remainder = T.truncmod(T.reinterpret(mixed[0], "int64"), size)  # has the dividend's sign
                 floored = T.if_then_else(remainder < 0, remainder + size, remainder)
                 out[T.cast(layer, "int64") * num_tokens * columns + flat] = (
@@ -184,10 +190,11 @@ def engram_hash(
     offsets: torch.Tensor,
 ) -> torch.Tensor:
     """Hashed n-gram ids → flat embedding-table rows; same contract as
-    ``tileproof.reference.engram.engram_hash``, bit for bit (any strides of the ids)."""
+    ``tileproof.reference.engram.engram_hash``, bit for bit (any strides of the ids). The value rules
+    (ids non-negative, table sizes positive, ``offsets + vocab_sizes`` within int32) are not read back
+    to the host, which would synchronize and break CUDA-graph capture: the kernel device-asserts them
+    on every value it reads (with no tokens it reads none; the reference raises ``ValueError``)."""
     tokens, max_ngram, layers, tables = check_hash_inputs(ngram_token_ids, multipliers, vocab_sizes, offsets)
-    if not compiling_only():  # a compile-only pass gets uninitialized inputs
-        check_hash_values(ngram_token_ids, vocab_sizes, offsets)
     require_cuda("ngram_token_ids", ngram_token_ids)
 
     columns = (max_ngram - 1) * tables

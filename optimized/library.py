@@ -22,6 +22,11 @@ mapping. The rules:
 - a keyword-only tensor becomes an ordinary argument (custom ops take no keyword-only tensors);
 - ``get_fused_mapping`` is registered in its no-sync form only (see its adapter).
 
+Two operators write an optional tensor in place (``swiglu_forward_and_per_token_cast``'s
+``clamped_count``, ``top2_sum_gate``'s ``unmapped_topk_idx``); they are defined through
+``torch.library.define`` / ``impl`` / ``register_fake`` rather than ``custom_op`` (see ``_register``),
+with the same schema and behaviour.
+
 The plain functions (``tileproof.optimized.mhc.mhc_post``, ...) stay the eager API: the dispatcher
 adds host time to every call, which an eager caller need not pay. The layers of
 ``tileproof.optimized.modeling`` compose these operators and are not operators themselves.
@@ -30,6 +35,7 @@ adds host time to every call, which an eager caller need not pay. The layers of
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -529,8 +535,24 @@ def _fake(function: Callable) -> Callable:
 
 
 def _register(name: str, function: Callable, mutates: tuple[str, ...]) -> None:
-    operator = torch.library.custom_op(f"{NAMESPACE}::{name}", function, mutates_args=mutates)
+    qualified_name = f"{NAMESPACE}::{name}"
+    schema = torch.library.infer_schema(function, mutates_args=mutates)
+    if any(argument in mutates for argument in _defaulted_arguments(function)):
+        # ``custom_op`` on PyTorch before 2.12 fails when a mutable argument is left at its default
+        # (pytorch/pytorch#176078: its version-counter bump indexes only the arguments the caller
+        # passed). The plain registration API has no such step, and the operator is the same:
+        # one schema, the launcher for every device (it checks the device itself), the same fake.
+        torch.library.define(qualified_name, schema, tags=(torch.Tag.pt2_compliant_tag,))
+        torch.library.impl(qualified_name, "CompositeExplicitAutograd", function)
+        torch.library.register_fake(qualified_name, _fake(function))
+        return
+    operator = torch.library.custom_op(qualified_name, function, mutates_args=mutates, schema=schema)
     operator.register_fake(_fake(function))
+
+
+def _defaulted_arguments(function: Callable) -> list[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.default is not inspect.Parameter.empty]
 
 
 for _name, (_, _mutates) in OPERATORS.items():

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -34,6 +35,9 @@ from rich.progress import Progress as RichProgress
 from . import runner
 from .registry import TIERS, Case, all_ops, select_cases
 from .timing import copy_roof_gbps
+
+if TYPE_CHECKING:
+    from .report import BenchmarkSuite
 
 DESCRIPTION = """\
 Run every selected case of every selected operator through the reference twin and the optimized
@@ -53,7 +57,8 @@ examples:
   tileproof oracle --case 'per_token_cast/e2m1/*' --seed 7
   tileproof oracle --backend tile_kernels --no-timing     # another library against our references
   tileproof oracle --base HEAD~3 --op per_token_cast      # the optimized kernels of an older commit
-  tileproof oracle --sm-limit 114                         # also prove results independent of the grid size"""
+  tileproof oracle --sm-limit 114                         # also prove results independent of the grid size
+  tileproof oracle --profile full --markdown out/oracle.md --benchmark-results out/pytest-benchmark.json"""
 
 MUTATE_DESCRIPTION = """\
 The oracle's self-test: every mutant of the catalogue (oracle/mutation.py) is the reference twin of
@@ -161,6 +166,13 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     out.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable report")
     out.add_argument("--markdown", type=Path, metavar="PATH", help="write the human-readable report")
     out.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG of the timings (needs matplotlib)")
+    out.add_argument(
+        "--benchmark-results",
+        type=Path,
+        metavar="PATH",
+        help="link a pytest-benchmark results file (pytest --benchmark-json, e.g. of tests/test_gpu_benchmarks.py) "
+        "from the --json and --markdown reports, with each benchmark's median",
+    )
     out.add_argument("-v", "--verbose", action="store_true", help="print every case, not only failures and timings")
 
     mutate = commands.add_parser(
@@ -273,6 +285,18 @@ def twin_of(args: argparse.Namespace) -> runner.Twin:
     return runner.OPTIMIZED
 
 
+def benchmark_suite_of(args: argparse.Namespace) -> BenchmarkSuite | None:
+    """The pytest-benchmark results ``--benchmark-results`` names (None without it), read before the
+    run so that a wrong path or file is a usage error rather than a failure after a long run."""
+    if args.benchmark_results is None:
+        return None
+    if not (args.json or args.markdown):
+        raise UsageError("--benchmark-results is linked from the reports: give --json or --markdown too")
+    from .report import load_benchmark_suite
+
+    return load_benchmark_suite(args.benchmark_results)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, oracle_parser, mutate_parser = _build_parsers()
     try:
@@ -292,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except ImportError:
                 raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         twin = None if args.list else twin_of(args)
+        benchmark_suite = None if args.list else benchmark_suite_of(args)
     except (UsageError, ValueError) as error:
         oracle_parser.print_usage(sys.stderr)
         print(f"tileproof oracle: error: {error}", file=sys.stderr)
@@ -327,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reporting.print_report(report, console, verbose=args.verbose)
     for path, write in ((args.json, reporting.write_json), (args.markdown, reporting.write_markdown)):
         if path:
-            write(report, path)
+            write(report, path, benchmark_suite)
             console.print(f"wrote {path}", highlight=False)
     if args.plot:
         reporting.write_plot(report, args.plot)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
+import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
@@ -238,13 +240,109 @@ def _by_op(report: Report) -> dict[str, list[CaseResult]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Linked pytest-benchmark results (tileproof oracle --benchmark-results)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkEntry:
+    """One benchmark of a pytest-benchmark results file, as a report shows it."""
+
+    name: str  # the oracle case label (tests/test_gpu_benchmarks.py records it), else the test's name
+    median_us: float  # pytest-benchmark's median time per call
+    gbps: float | None  # the oracle's bytes model over that median, when the benchmark recorded it
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkSuite:
+    """A pytest-benchmark results file (``pytest --benchmark-json``) that a report links to."""
+
+    path: Path
+    date: str | None  # when pytest-benchmark wrote it
+    commit: str | None  # the git commit it recorded
+    gpus: tuple[str, ...]  # the GPUs the benchmarks recorded (tests/test_gpu_benchmarks.py does)
+    benchmarks: tuple[BenchmarkEntry, ...]
+
+    def link(self, folder: Path | None = None) -> str:
+        """The file's path relative to ``folder`` (a report's folder; default: the working directory)."""
+        return Path(os.path.relpath(self.path.resolve(), (folder or Path.cwd()).resolve())).as_posix()
+
+    def as_dict(self, folder: Path | None = None) -> dict:
+        return {
+            "path": self.link(folder),
+            "date": self.date,
+            "commit": self.commit,
+            "gpus": list(self.gpus),
+            "benchmarks": [dataclasses.asdict(entry) for entry in self.benchmarks],
+        }
+
+
+def load_benchmark_suite(path: Path) -> BenchmarkSuite:
+    """Read a ``pytest --benchmark-json`` file; a ValueError says why when it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # missing, unreadable, not UTF-8 or not JSON
+        raise ValueError(f"cannot read the benchmark results {path}: {error}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise ValueError(f"{path} is not a pytest-benchmark JSON file (no list of benchmarks)")
+    entries: list[BenchmarkEntry] = []
+    gpus: list[str] = []
+    for index, benchmark in enumerate(data["benchmarks"]):
+        try:
+            extra_info = benchmark.get("extra_info") or {}
+            name = str(extra_info.get("case") or benchmark["name"])
+            median_us = float(benchmark["stats"]["median"]) * 1e6
+            gbps, gpu = extra_info.get("gbps"), extra_info.get("gpu")
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: benchmark {index} has no name or no median time") from None
+        entries.append(BenchmarkEntry(name, median_us, float(gbps) if isinstance(gbps, (int, float)) else None))
+        if gpu and str(gpu) not in gpus:
+            gpus.append(str(gpu))
+    commit_info = data.get("commit_info")
+    date, commit = data.get("datetime"), commit_info.get("id") if isinstance(commit_info, dict) else None
+    return BenchmarkSuite(
+        path, str(date) if date else None, str(commit) if commit else None, tuple(gpus), tuple(entries)
+    )
+
+
+def _benchmark_suite_lines(suite: BenchmarkSuite, folder: Path | None) -> list[str]:
+    """The Markdown section linking the suite's results file, with each benchmark's median."""
+    link = suite.link(folder)
+    provenance = [f"{len(suite.benchmarks)} benchmarks"]
+    provenance += [f"run {suite.date}"] if suite.date else []
+    provenance += [f"commit {suite.commit[:12]}"] if suite.commit else []
+    provenance += [f"on {' and '.join(suite.gpus)}"] if suite.gpus else []
+    lines = [
+        "",
+        "## Benchmark suite",
+        "",
+        f"Benchmark suite results: [{link}]({urllib.parse.quote(link)}) (pytest-benchmark; {', '.join(provenance)}).",
+    ]
+    if not suite.benchmarks:
+        return lines
+    lines += [
+        "",
+        "median µs: pytest-benchmark's median time per call. For `tests/test_gpu_benchmarks.py` that is "
+        "back-to-back calls with a warm L2, each round ending when the GPU is idle (launch-bound where the "
+        "host is slower than the kernel): not the oracle's kernel time with the L2 flushed. GB/s: the "
+        "oracle's bytes model over that median.",
+        "",
+    ]
+    rows = [[f"`{entry.name}`", _number(entry.median_us), _number(entry.gbps, 0)] for entry in suite.benchmarks]
+    return lines + _table(["benchmark", "median µs", "GB/s"], rows, "lrr")
+
+
+# ---------------------------------------------------------------------------------------------
 # JSON
 # ---------------------------------------------------------------------------------------------
 
 
-def report_dict(report: Report) -> dict:
+def report_dict(report: Report, benchmark_suite: BenchmarkSuite | None = None, folder: Path | None = None) -> dict:
+    """The report as JSON-able data. ``benchmark_suite``: pytest-benchmark results to link, by a
+    path relative to ``folder`` (the report file's; default: the working directory)."""
     counts = report.counts()
-    return {
+    data = {
         "schema": SCHEMA,
         "environment": report.environment,
         "run": {
@@ -279,6 +377,9 @@ def report_dict(report: Report) -> dict:
         "reference_self_checks": SELF_CHECKS,
         "cases": [_case_dict(result) for result in report.results],
     }
+    if benchmark_suite is not None:
+        data["benchmark_suite"] = benchmark_suite.as_dict(folder)
+    return data
 
 
 def _case_dict(result: CaseResult) -> dict:
@@ -299,9 +400,10 @@ def _case_dict(result: CaseResult) -> dict:
     }
 
 
-def write_json(report: Report, path: Path) -> None:
+def write_json(report: Report, path: Path, benchmark_suite: BenchmarkSuite | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report_dict(report), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    data = report_dict(report, benchmark_suite, path.parent)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +444,9 @@ def _kernel_build_lines(builds: dict[str, float]) -> list[str]:
     return lines + _table(["kernel configuration", "s"], [[f"`{name}`", f"{s:.2f}"] for name, s in slowest], "lr")
 
 
-def markdown(report: Report) -> str:
+def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, folder: Path | None = None) -> str:
+    """The Markdown report. ``benchmark_suite``: pytest-benchmark results to link, by a path relative
+    to ``folder`` (the report file's; default: the working directory)."""
     env = report.environment
     lines = [f"# tileproof oracle: `{report.profile}` profile", ""]
     lines += [f"**Result: {_verdict(report)}** (exit status {report.exit_status}) on {_device_text(report)}.", ""]
@@ -428,6 +532,8 @@ def markdown(report: Report) -> str:
         if errors:
             lines += ["", "Timing notes:", ""] + [f"- `{label}` {callee}: {error}" for label, callee, error in errors]
 
+    if benchmark_suite is not None:
+        lines += _benchmark_suite_lines(benchmark_suite, folder)
     lines += _kernel_build_lines(report.kernel_builds)
 
     failing = [r for r in report.results if r.status != PASS]
@@ -452,9 +558,9 @@ def markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(report: Report, path: Path) -> None:
+def write_markdown(report: Report, path: Path, benchmark_suite: BenchmarkSuite | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(report), encoding="utf-8")
+    path.write_text(markdown(report, benchmark_suite, path.parent), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ its strides differ from k's. With ``DEVICE = "cpu"`` every case runs under ``com
 CPU machine (``scratch/emu_engram/runtests.py``), which checks that each configuration compiles.
 """
 
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -88,6 +90,39 @@ def test_engram_hash_reads_column_major_ids():
     with poison_outputs():
         actual = _optimized().engram_hash(column_major, *tables)
     _assert_same_bits(actual, reference.engram_hash(ids, *tables), "rows")
+
+
+# A bad value in a process of its own: the device-side assertion it triggers leaves the CUDA context
+# unusable. Two tokens, n-grams up to 3, one layer, two tables of size 7 per order.
+_BAD_HASH_VALUE = """
+import torch
+from tileproof.optimized.engram import engram_hash
+ids = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device="cuda")
+multipliers = torch.ones(1, 3, dtype=torch.int64, device="cuda")
+vocab_sizes = torch.full((1, 2, 2), 7, dtype=torch.int32, device="cuda")
+offsets = torch.tensor([[0, 7, 14, 21]], dtype=torch.int32, device="cuda")
+{spoil}
+engram_hash(ids, multipliers, vocab_sizes, offsets)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    ["ids[1, 2] = -1", "vocab_sizes[0, 1, 0] = 0", "offsets[0, 3] = 2**31 - 5"],
+    ids=["negative id", "zero table size", "offset past int32"],
+)
+def test_engram_hash_bad_values_stop_the_kernel(spoil):
+    """The value rules are not read back to the host (that would synchronize and break CUDA-graph
+    capture): a bad value stops the kernel with a device-side assertion (the reference raises
+    ``ValueError``); the unspoiled script runs."""
+    if DEVICE != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    clean = subprocess.run([sys.executable, "-c", _BAD_HASH_VALUE.format(spoil="")], capture_output=True, text=True)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-c", _BAD_HASH_VALUE.format(spoil=spoil)], capture_output=True, text=True)
+    assert result.returncode != 0, f"engram_hash accepted: {spoil}"
+    assert "assert" in (result.stdout + result.stderr).lower(), result.stderr[-2000:]
 
 
 # --- fused_weight -------------------------------------------------------------------------------
@@ -261,8 +296,8 @@ def _bad_calls(device):
         ("engram_hash", (ids.float(), mults, vocab, offsets), {}),
         ("engram_hash", (ids[:, :1], mults[:, :1], vocab[:, :0], offsets[:, :0]), {}),
         ("engram_hash", (ids, mults, vocab, offsets[:, :3]), {}),
-        ("engram_hash", (ids, mults, vocab - 1, offsets), {}),
-        ("engram_hash", (ids - 1, mults, vocab, offsets), {}),
+        # Bad values (a table size of 0, a negative id) stop the optimized kernel with a device-side
+        # assertion instead: test_engram_hash_bad_values_stop_the_kernel.
         ("fused_weight", (gains, gains.float()), {}),
         ("fused_weight", (gains, gains[:, :8]), {}),
         ("engram_gate_fwd", (x, x, v, w.double(), 1e-20, 1e-6), {}),

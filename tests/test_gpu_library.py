@@ -205,11 +205,15 @@ def test_a_cold_kernel_inside_a_capture_names_tileproof_precompile(monkeypatch):
     """A configuration this process has not called yet is refused inside a capture, before anything
     the capture cannot hold (building or loading a kernel), so the capture itself ends cleanly."""
     from tileproof.optimized import jit
+    from tileproof.optimized import transpose as transpose_module
     from tileproof.optimized.transpose import transpose
 
     x = torch.randn(65, 130, device=DEVICE).to(torch.bfloat16)
     wanted = transpose(x)
-    monkeypatch.setattr(jit, "_first_calls", {})  # as in a fresh process: no configuration called yet
+    # As in a fresh process: no configuration called yet (each factory keeps its launches).
+    for factory in vars(transpose_module).values():
+        if isinstance(factory, jit.KernelFactory):
+            monkeypatch.setattr(factory, "_launches", {})
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="`tileproof precompile`") as raised:
         with torch.cuda.graph(graph):
