@@ -508,9 +508,13 @@ def engram_gate_fwd(
 
 
 @jit()
-def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int):
+def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int, prefetch: bool = True):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
-    stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``."""
+    stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.
+
+    ``prefetch``: the next token's ``grad_out`` and ``v`` rows (what the row sums read first) are
+    loaded while the current token is processed, so a CTA walking its block is not idle for a
+    whole memory latency at each token (typically one CTA per SM: P = the SM count)."""
     warps = threads // 32
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
@@ -532,6 +536,29 @@ def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread:
     dx_span = T.dynamic("dx_span")
     dv_span = T.dynamic("dv_span")
     dw_span = T.dynamic("dw_span")
+
+    @T.macro
+    def load_gradient_rows(
+        grad_out, v, gos, vs, token, tx, hidden_vectors, go_token_stride, go_stream_stride, v_token_stride
+    ):
+        """Token ``token``'s ``grad_out`` (n streams) and ``v`` vectors of this thread's columns →
+        ``gos``, ``vs`` (0 past the row)."""
+        go_row = T.cast(token, "int64") * go_token_stride
+        v_row = T.cast(token, "int64") * v_token_stride
+        for i in T.unroll(columns_per_thread):
+            column = i * threads + tx
+            if column < hidden_vectors:
+                for e in T.vectorized(vector):
+                    vs[i, e] = v[(v_row + column) * vector + e]
+                for m in T.unroll(streams):
+                    for e in T.vectorized(vector):
+                        gos[i, m, e] = grad_out[(go_row + m * go_stream_stride + column) * vector + e]
+            else:
+                for e in T.vectorized(vector):
+                    vs[i, e] = T.cast(0, "bfloat16")
+                for m in T.unroll(streams):
+                    for e in T.vectorized(vector):
+                        gos[i, m, e] = T.cast(0, "bfloat16")
 
     @T.prim_func
     def kernel(
@@ -572,6 +599,8 @@ def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread:
             xs = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
             ks = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
             vs = T.alloc_local((columns_per_thread, vector), "bfloat16")
+            next_gos = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
+            next_vs = T.alloc_local((columns_per_thread, vector), "bfloat16")
             ws = T.alloc_local((vector,), "float32")
             sums = T.alloc_local((streams,), "float32")
             gates = T.alloc_local((streams,), "float32")
@@ -590,29 +619,63 @@ def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread:
 
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
+            if prefetch and first < last:
+                load_gradient_rows(
+                    grad_out,
+                    v,
+                    next_gos,
+                    next_vs,
+                    first,
+                    tx,
+                    hidden_vectors,
+                    go_token_stride,
+                    go_stream_stride,
+                    v_token_stride,
+                )
             for token in T.serial(first, last):
-                go_row = T.cast(token, "int64") * go_token_stride
                 x_row = T.cast(token, "int64") * x_token_stride
                 k_row = T.cast(token, "int64") * k_token_stride
-                v_row = T.cast(token, "int64") * v_token_stride
+                if prefetch:
+                    for i in T.unroll(columns_per_thread):
+                        for e in T.unroll(vector):
+                            vs[i, e] = next_vs[i, e]
+                        for m in T.unroll(streams):
+                            for e in T.unroll(vector):
+                                gos[i, m, e] = next_gos[i, m, e]
+                    if token + 1 < last:
+                        load_gradient_rows(
+                            grad_out,
+                            v,
+                            next_gos,
+                            next_vs,
+                            token + 1,
+                            tx,
+                            hidden_vectors,
+                            go_token_stride,
+                            go_stream_stride,
+                            v_token_stride,
+                        )
+                else:
+                    load_gradient_rows(
+                        grad_out,
+                        v,
+                        gos,
+                        vs,
+                        token,
+                        tx,
+                        hidden_vectors,
+                        go_token_stride,
+                        go_stream_stride,
+                        v_token_stride,
+                    )
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
                     if column < hidden_vectors:
-                        for e in T.vectorized(vector):
-                            vs[i, e] = v[(v_row + column) * vector + e]
                         for m in T.unroll(streams):
-                            for e in T.vectorized(vector):
-                                gos[i, m, e] = grad_out[(go_row + m * go_stream_stride + column) * vector + e]
                             for e in T.vectorized(vector):
                                 xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
                             for e in T.vectorized(vector):
                                 ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
-                    else:
-                        for e in T.vectorized(vector):
-                            vs[i, e] = T.cast(0, "bfloat16")
-                        for m in T.unroll(streams):
-                            for e in T.vectorized(vector):
-                                gos[i, m, e] = T.cast(0, "bfloat16")
                 for m in T.unroll(streams):
                     gates[m] = gate[token * streams + m]
 

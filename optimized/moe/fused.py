@@ -65,12 +65,12 @@ EXPAND_ITEMS = 4
 PADDING_ROWS = 8  # rows an expand padding CTA tests (and zeroes when uncovered)
 EXPAND_SLOTS = 8  # positions an expand token CTA loads at once (k = 8 in one batch)
 REDUCE_THREADS = 128
-REDUCE_ITEMS = 1
-# Gathered rows loaded before their FMAs: k = 8 in two batches of 4, with 8 CTAs per SM, keeps more
-# loads in flight than one batch of 8 at 6 CTAs per SM (80 registers, 8 CTAs spilled): 273.7 µs
-# against 312.3 µs (T 8192, k 8, H 7168 bf16, H200, kernel time).
+REDUCE_ITEMS = 2
+# Gathered rows loaded before their FMAs, k = 8 in two batches of 4, two vectors per thread, 6 CTAs
+# per SM: more loads in flight than one batch of 8 (80 registers; 8 CTAs per SM spilled there):
+# 269.9 µs against 312.3 µs (T 8192, k 8, H 7168 bf16, H200, kernel time; e4m3 out 261.2 against 306.4).
 REDUCE_SLOTS = 4
-REDUCE_MIN_BLOCKS = 8  # CTAs per SM
+REDUCE_MIN_BLOCKS = 6  # CTAs per SM
 ROW_SLOT_THREADS = 256
 
 # Raw bytes per vector → (element type the kernel moves, elements per vector).
