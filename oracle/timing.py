@@ -133,9 +133,10 @@ class Timer:
         estimate_ms = max(start.elapsed_time(end) / 3, 1e-3)
         return max(MIN_REPS, min(MAX_REPS, int(BUDGET_MS / estimate_ms)))
 
-    def median_us(self, fn: Callable[[], object]) -> tuple[float, int]:
-        """Stream time: median of CUDA-event pairs around ``fn``, and the number of runs."""
-        reps = self._reps(fn)
+    def median_us(self, fn: Callable[[], object], reps: int | None = None) -> tuple[float, int]:
+        """Stream time: median of CUDA-event pairs around ``fn``, and the number of runs (sized to the
+        time budget unless ``reps`` is given: ``fn`` already warm)."""
+        reps = reps or self._reps(fn)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for begin, finish in zip(starts, ends, strict=True):
@@ -146,9 +147,10 @@ class Timer:
         torch.cuda.synchronize()
         return statistics.median(b.elapsed_time(f) for b, f in zip(starts, ends, strict=True)) * 1e3, reps
 
-    def kernel_median_us(self, fn: Callable[[], object]) -> tuple[float, int]:
-        """Kernel time: median over runs of the GPU durations of what ``fn`` launched (CUPTI)."""
-        reps = self._reps(fn)
+    def kernel_median_us(self, fn: Callable[[], object], reps: int | None = None) -> tuple[float, int]:
+        """Kernel time: median over runs of the GPU durations of what ``fn`` launched (CUPTI); runs
+        sized as ``median_us``'s."""
+        reps = reps or self._reps(fn)
 
         def runs():
             for _ in range(reps):
@@ -246,8 +248,8 @@ def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile
         try:
             fn = get()
             median, reps = timer.kernel_median_us(lambda fn=fn: call(fn))
-            if name == "optimized":
-                timing.optimized_stream_us = timer.median_us(lambda fn=fn: call(fn))[0]
+            if name == "optimized":  # warm and sized by the kernel-time runs
+                timing.optimized_stream_us = timer.median_us(lambda fn=fn: call(fn), reps)[0]
         except Exception as error:  # a baseline that fails is reported, not fatal
             timing.errors[name] = first_line(error)
             continue
