@@ -2,8 +2,9 @@
 
 ``generated_pages`` returns, by path inside the site's sources, an "Operators" page (one row per
 registered operator, from the registry itself, so the table cannot drift from what the oracle runs)
-and a "Latest H200 results" page (the newest timing report from docs/results/ embedded, then every
-committed report with the revision and date its JSON recorded). ``rewrite_links_for_site`` makes
+a "Latest H200 results" page (the newest timing report from docs/results/ embedded, then every
+committed report with the revision and date its JSON recorded) and a "Determinism" page (per
+operator, the two determinism checks of the newest committed report that ran them). ``rewrite_links_for_site`` makes
 the pages' links that work on GitHub but not in a site built from docs/ alone (to files outside
 docs/, to folders) valid there. The mkdocs hook ``docs/hooks.py`` calls these; none of them needs
 mkdocs, so they are tested on the CPU (tests/test_docs_site.py).
@@ -21,6 +22,7 @@ from pathlib import Path
 from .registry import OpSpec, all_ops
 
 OPERATORS_PAGE = "operators.md"
+DETERMINISM_PAGE = "determinism.md"
 RESULTS_DIR = "results"
 # The results folder's index, so that the pages' existing links to "results/" land on it.
 RESULTS_PAGE = f"{RESULTS_DIR}/index.md"
@@ -38,6 +40,7 @@ def generated_pages(docs_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> 
     return {
         OPERATORS_PAGE: operators_page(docs_dir, ops),
         RESULTS_PAGE: results_page(docs_dir / RESULTS_DIR),
+        DETERMINISM_PAGE: determinism_page(docs_dir / RESULTS_DIR, ops),
     }
 
 
@@ -320,6 +323,99 @@ def results_page(results_dir: Path, latest: str = LATEST_REPORT) -> str:
             "## Every committed report",
             "",
             "Newest first, with the revision and date each report's JSON recorded (logs have none).",
+            "",
+            *table,
+            "",
+        ]
+    )
+
+
+# --- the Determinism page -----------------------------------------------------------------------
+
+# The oracle's two checks of an optimized result's reproducibility (oracle/runner.py).
+RUN_CHECK = "determinism"
+GRID_CHECK = "grid-size independence"
+
+
+def determinism_rows(results_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> list[dict[str, str]]:
+    """Per registered operator: the newest committed report whose cases ran the grid
+    check (else the newest that ran the run check), and that report's pass counts of both checks."""
+    ops = all_ops() if ops is None else ops
+    newest: dict[str, tuple[str, str, dict[str, list[int]]]] = {}  # op -> (date, stem, check -> [pass, cases])
+    for report_json in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(report_json.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or "environment" not in data or not isinstance(data.get("cases"), list):
+            continue
+        date = data["environment"].get("date_utc") or ""
+        counts: dict[str, dict[str, list[int]]] = {}
+        for case in data["cases"]:
+            for check in case.get("checks", []):
+                if check.get("name") in (RUN_CHECK, GRID_CHECK):
+                    tally = counts.setdefault(case["op"], {}).setdefault(check["name"], [0, 0])
+                    tally[0] += check.get("status") == "pass"
+                    tally[1] += 1
+        for op, checks in counts.items():
+            rank = (GRID_CHECK in checks, date)
+            held = newest.get(op)
+            if held is None or rank > (GRID_CHECK in held[2], held[0]):
+                newest[op] = (date, report_json.stem, checks)
+    rows = []
+    for name in ops:
+        if name not in newest:
+            rows.append({"operator": f"`{name}`", "runs": "not yet run", "grid": "not yet run", "report": "—"})
+            continue
+        date, stem, checks = newest[name]
+        environment, _ = _environment(Path(results_dir) / f"{stem}.json")
+
+        def tally(check: str, checks=checks) -> str:
+            if check not in checks:
+                return "not in this report"
+            passed, cases = checks[check]
+            return f"{passed} of {cases} cases" + ("" if passed == cases else " — **differs**")
+
+        rows.append(
+            {
+                "operator": f"`{name}`",
+                "runs": tally(RUN_CHECK),
+                "grid": tally(GRID_CHECK),
+                "report": f"[{stem}]({RESULTS_DIR}/{stem}.md), {_revision(environment)}, {date or '—'}",
+            }
+        )
+    return rows
+
+
+def determinism_page(results_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> str:
+    """The Determinism page: how the kernels stay reproducible, and the evidence per operator."""
+    table = [
+        "| operator | two runs, same bytes | ≤ 114 SMs vs all 132, same bytes | report, revision, date (UTC) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for row in determinism_rows(results_dir, ops):
+        cells = [row[key] for key in ("operator", "runs", "grid", "report")]
+        table.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return "\n".join(
+        [
+            "# Determinism",
+            "",
+            "Every optimized operator gives the same bytes on every run and on any number of SMs. By "
+            "construction: no floating-point atomics (each sum has one owner and a fixed order: warp "
+            "butterflies in lane order, then warps in index order, then blocks in index order); integer "
+            "atomics only where the result does not depend on their order (`clamped_count`'s sums, the "
+            "lowest failing position of `per_block_cast_lossless` by `atomicMin`, and warp-private "
+            "counters that `get_fused_mapping` updates in a fixed order, so each expert's tokens come "
+            "in token order, not in order of arrival); and no grid that depends on the SM count changes "
+            "which thread sums what.",
+            "",
+            "The oracle checks it on the GPU for every case it runs: the optimized call twice on the "
+            "same inputs (*two runs*), and once more with `TILEPROOF_SM_LIMIT=114` (the H100 PCIe's "
+            "SM count: kernels that size their grid by the SM count get a smaller one) against the run "
+            "on all SMs (*≤ 114 SMs*; the full profile's default, `--sm-limit`). Both compare raw "
+            "bytes, floating outputs included. The table gives, per operator, the newest committed "
+            "report that ran both checks; a kernel changed after that revision is re-checked by the "
+            "next report. Exceptions: none.",
             "",
             *table,
             "",

@@ -134,3 +134,22 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / "operators" / "index.html").exists()
     assert (tmp_path / "site" / "results" / "index.html").exists()
+
+
+def test_the_determinism_page_lists_every_operator_with_both_checks_of_its_newest_report():
+    page = docs_site.determinism_page(RESULTS)
+    rows = {row[0].strip("`"): row for row in _table_rows(page)}
+    assert set(registry.all_ops()) <= set(rows)
+    for name, (_, runs, grid, report) in ((name, rows[name]) for name in registry.all_ops()):
+        assert "differs" not in runs + grid, name  # the committed reports are all green
+        if report != "—":
+            assert runs.endswith("cases") and grid.endswith("cases"), (name, runs, grid)
+
+
+def test_the_determinism_page_flags_a_differing_check(tmp_path):
+    environment = {"date_utc": "2026-01-01T00:00:00Z", "git_revision": "0123456789abcdef"}
+    checks = [{"name": "determinism", "status": "pass"}, {"name": "grid-size independence", "status": "fail"}]
+    cases = [{"op": "transpose", "checks": checks}, {"op": "transpose", "checks": checks[:1]}]
+    (tmp_path / "run.json").write_text(json.dumps({"environment": environment, "cases": cases}))
+    (row,) = [row for row in _table_rows(docs_site.determinism_page(tmp_path)) if row[0] == "`transpose`"]
+    assert row[1] == "2 of 2 cases" and row[2] == "0 of 1 cases — **differs**" and "`0123456`" in row[3]
