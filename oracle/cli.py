@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColu
 from rich.progress import Progress as RichProgress
 
 from . import runner
-from .registry import TIERS, Case, all_ops, select_cases
+from .registry import PROFILES, Case, all_ops, select_cases
 from .timing import copy_roof_gbps
 
 if TYPE_CHECKING:
@@ -55,10 +55,13 @@ examples:
   tileproof oracle --op per_token_cast --no-timing
   tileproof oracle --profile full --json out/oracle.json --markdown docs/results/quant-h200.md --plot out/quant.png
   tileproof oracle --case 'per_token_cast/e2m1/*' --seed 7
+  tileproof oracle --profile edge --no-timing            # NaN, ±Inf, ±max, subnormals, ... (docs/numerics.md)
   tileproof oracle --backend tile_kernels --no-timing     # another library against our references
   tileproof oracle --base HEAD~3 --op per_token_cast      # the optimized kernels of an older commit
   tileproof oracle --sm-limit 114                         # also prove results independent of the grid size
   tileproof oracle --profile full --markdown out/oracle.md --benchmark-results out/pytest-benchmark.json"""
+
+PROFILE_HELP = "case tier: quick (default), full, or edge (numeric edge values in quick cases; docs/numerics.md)"
 
 MUTATE_DESCRIPTION = """\
 The oracle's self-test: every mutant of the catalogue (oracle/mutation.py) is the reference twin of
@@ -131,7 +134,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     select.add_argument(
         "--op", action="append", metavar="NAME", help="operator to run (repeat, or comma-separate; default: all)"
     )
-    select.add_argument("--profile", choices=TIERS, default="quick", help="case tier (default: quick)")
+    select.add_argument("--profile", choices=PROFILES, default="quick", help=PROFILE_HELP)
     select.add_argument(
         "--case", action="append", metavar="LABEL", help="case label, exact or a shell glob (repeatable; see --list)"
     )
@@ -185,7 +188,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     mutate.add_argument(
         "--mutant", action="append", metavar="ID", help="only this mutant, 'operator:name' or a shell glob (repeatable)"
     )
-    mutate.add_argument("--profile", choices=TIERS, default="quick", help="case tier (default: quick)")
+    mutate.add_argument("--profile", choices=PROFILES, default="quick", help=PROFILE_HELP)
     mutate.add_argument("--seed", type=_seed, default=0, help="global seed; each case derives its own (default: 0)")
     mutate.add_argument(
         "--max-cases", type=_positive_int, metavar="N", help="try at most N cases per mutant (default: all, in order)"
@@ -208,7 +211,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     precompile.add_argument(
         "--op", action="append", metavar="NAME", help="operator (repeat, or comma-separate; default: all)"
     )
-    precompile.add_argument("--profile", choices=TIERS, default="quick", help="case tier (default: quick)")
+    precompile.add_argument("--profile", choices=PROFILES, default="quick", help=PROFILE_HELP)
     precompile.add_argument("--case", action="append", metavar="LABEL", help="case label or shell glob (repeatable)")
     precompile.add_argument(
         "-j", "--jobs", type=_positive_int, metavar="N", help="compile threads (default: CPUs, at most 16)"

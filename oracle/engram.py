@@ -44,22 +44,26 @@ from einops import rearrange, reduce
 from tileproof.reference import engram as reference
 
 from .floatops import (
+    AUTOGRAD_BOUND,
     BF16_BOUND,
     F64,
+    FLOAT64_CHECK_ELEMENTS,
     LAMBDA,
     U32,
     U_BF16,
     FloatOp,
     autograd_of,
     f64,
+    input_elements,
     inverse_pow2,
     inverse_sqrt_pow2,
     normal,
+    normwise_check,
     place,
     random_sum_bound,
 )
-from .policy import FAIL, PASS, Bitwise, Check, RelativeError, compare
-from .registry import Call, Case, Output, register
+from .policy import FAIL, PASS, SKIP, Bitwise, Check, RelativeError, compare
+from .registry import FLOAT_EDGE_KINDS, Call, Case, Output, register
 
 N = 4  # streams (hc_mult)
 F32, BF16, I32, I64 = torch.float32, torch.bfloat16, torch.int32, torch.int64
@@ -117,7 +121,56 @@ REDUCE_BOUND = (P_MAX + 2) * U32
 REDUCE_ATOL = 4.0
 
 WHY_INTEGER = "integer table rows: exactly one right answer"
-WHY_EXACT_PRODUCT = "the product of two bf16 values fits fp32's 24-bit significand: exact, one right answer"
+WHY_EXACT_PRODUCT = (
+    "the product of two bf16 values fits fp32's 24-bit significand: exact (±Inf where it overflows fp32), one right "
+    "answer; a NaN (from a NaN gain) matches any NaN"
+)
+
+
+# --- edge cases (docs/numerics.md), shared with oracle.mhc -------------------------------------
+
+EDGE_SKIP_NOTE = (
+    "edge case: the operator's own invariants (ranges, identities) and the premises of its bounds are statements "
+    "about ordinary inputs; the edge rule (policy.EdgeReference) holds the bounds where the fp32 reference meets them"
+)
+
+
+class FloatEdges:
+    """The edge profile of a float operator (mixed in before ``FloatOp``): every class, written into
+    the arguments ``edge_arguments`` names (one per case in turn, ``edge_targets``), on
+    ``edge_base_count`` quick cases with tokens; and the self-checks of an edge case
+    (``edge_self_checks``)."""
+
+    edge_kinds = FLOAT_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        return getattr(case.params, "tokens", 1) > 0 and not case.benchmark
+
+    def edge_invariants(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+        """Invariants that hold on edge values too (bit-identities between two paths, say)."""
+        return []
+
+    def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+        if case.edge is None:
+            return super().self_check(case, call, outputs)
+        return edge_self_checks(self, case, call, outputs)
+
+
+def edge_self_checks(spec, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
+    """An edge case's self-checks: the documented layout; an explicit backward ≡ autograd of the
+    forward when the edge values are finite (float64 has the range of a bf16 or fp32 max: the two
+    formulas still agree; with NaN or ±Inf their NaN patterns may differ and say nothing); the
+    ``edge_invariants``; the ordinary invariants are skipped (``EDGE_SKIP_NOTE``)."""
+    checks = [spec._layout_check(case, outputs)]
+    small = input_elements(call) <= FLOAT64_CHECK_ELEMENTS
+    gradients = spec.autograd_float64(case, call) if case.edge.finite and small else None
+    if gradients is not None:
+        names, explicit, autograd = gradients
+        for name, mine, theirs in zip(names, explicit, autograd, strict=True):
+            checks.append(normwise_check(f"explicit ≡ autograd (float64): {name}", mine, theirs, AUTOGRAD_BOUND))
+    checks += spec.edge_invariants(case, call, outputs)
+    checks.append(Check("invariants of ordinary inputs", SKIP, detail=EDGE_SKIP_NOTE))
+    return checks
 
 
 # --- hash -------------------------------------------------------------------------------------
@@ -281,9 +334,11 @@ def _gains(hidden: int, device, generator, spread: float, pad: int = 0) -> torch
     return place(values, (N, hidden), BF16, device, pad)
 
 
-class FusedWeight(FloatOp):
+class FusedWeight(FloatEdges, FloatOp):
     family = "engram"
-    outputs = (Output("w", Bitwise(), WHY_EXACT_PRODUCT),)
+    outputs = (Output("w", Bitwise(nan_equal=True), WHY_EXACT_PRODUCT),)
+    edge_arguments = {"wh": (0, 1), "we": (1, 1)}
+    edge_targets = ("wh", "we")
 
     def __init__(self):
         self.name = "fused_weight"
@@ -296,7 +351,8 @@ class FusedWeight(FloatOp):
 
     def build(self, case, device, generator):
         p: WeightParams = case.params
-        return Call((_gains(p.hidden, device, generator, 0.3, p.pad), _gains(p.hidden, device, generator, 0.3, p.pad)))
+        call = Call((_gains(p.hidden, device, generator, 0.3, p.pad), _gains(p.hidden, device, generator, 0.3, p.pad)))
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         return ((F32, (N, case.params.hidden)),)
@@ -310,10 +366,15 @@ class FusedWeight(FloatOp):
         return (self.name, math.gcd(p.hidden, p.hidden + p.pad, 8))
 
     def extra_checks(self, case, call, outputs):
+        return self.edge_invariants(case, call, outputs)
+
+    def edge_invariants(self, case, call, outputs):
         wh, we = call.args
         (w,) = outputs
-        exact = bool(torch.equal(w.to(F64), f64(wh) * f64(we)))  # float64 holds the product exactly too
-        return [Check("≡ exact product (float64)", PASS if exact else FAIL, "exact", "")]
+        # float64 holds the product exactly; rounded to fp32 it changes only where it overflows (±Inf).
+        expected = (f64(wh) * f64(we)).to(F32)
+        same = bool(((w == expected) | (torch.isnan(w) & torch.isnan(expected))).all())
+        return [Check("≡ exact product (float64, rounded to fp32)", PASS if same else FAIL, "exact", "")]
 
 
 # --- gate -------------------------------------------------------------------------------------
@@ -437,7 +498,10 @@ def _keep_s_off_singular_points(x, k, w, clamp_value: float, k_scale: float, gen
     raise RuntimeError("could not draw keys with |s| off the gate's singular points")
 
 
-class GateFwd(GateOp):
+class GateFwd(FloatEdges, GateOp):
+    edge_arguments = {"x": (0, 1), "k": (1, 1), "v": (2, 1)}  # rows: one (token, stream) or one token's v
+    edge_targets = ("x", "k", "v")
+    edge_base_count = 3
     outputs = (
         Output(
             "out",
@@ -471,7 +535,7 @@ class GateFwd(GateOp):
     def build(self, case, device, generator):
         p: GateParams = case.params
         x, k, v, w = self.gate_inputs(p, device, generator, inverse_sqrt_pow2(p.hidden))
-        return Call((x, k, v, w, EPS, p.clamp_value, p.save_for_backward))
+        return self.with_edge_values(case, Call((x, k, v, w, EPS, p.clamp_value, p.save_for_backward)), generator)
 
     def expected_layout(self, case):
         p: GateParams = case.params
@@ -512,8 +576,12 @@ class GateFwd(GateOp):
         return checks
 
 
-class GateBwd(GateOp):
+class GateBwd(FloatEdges, GateOp):
     backward = True
+    # The saved statistics stay those of the clean inputs: a backward takes whatever it is given.
+    edge_arguments = {"grad": (0, 1), "x": (1, 1), "k": (2, 1), "v": (3, 1)}
+    edge_targets = ("grad", "x", "k", "v")
+    edge_base_count = 3
     outputs = (
         Output(
             "dx",
@@ -553,7 +621,8 @@ class GateBwd(GateOp):
         else:
             grad = normal(shape, generator).to(BF16).to(device)
             _, *stats = reference.engram_gate_fwd(x, k, v, w, EPS, p.clamp_value)  # the saved statistics
-        return Call((grad, x, k, v, w, *stats, p.clamp_value), {"num_partials": p.num_partials})
+        call = Call((grad, x, k, v, w, *stats, p.clamp_value), {"num_partials": p.num_partials})
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         p: GateParams = case.params
@@ -629,8 +698,9 @@ REDUCE_CASES = {
 }
 
 
-class GradWReduce(FloatOp):
+class GradWReduce(FloatEdges, FloatOp):
     family = "engram"
+    edge_arguments = {"": (0, 1)}  # dw_partial, rows of D (the accumulators and gains are not data)
     outputs = (
         Output(
             "grad_wh",
@@ -643,6 +713,9 @@ class GradWReduce(FloatOp):
 
     def __init__(self):
         self.name = "grad_w_reduce"
+
+    def edge_base_ok(self, case: Case) -> bool:
+        return case.params.num_partials > 0
 
     def cases(self, tier):
         return [Case(self.name, f"{self.name}/P{p.num_partials}/n{N}/D{p.hidden}", p) for p in REDUCE_CASES[tier]]
@@ -657,7 +730,7 @@ class GradWReduce(FloatOp):
             dw = normal(shape, generator, inverse_pow2(p.num_partials)).to(device)
             accumulators = [normal((N, p.hidden), generator, 0.25).to(device) for _ in range(2)]
         wh, we = (_gains(p.hidden, device, generator, 0.3) for _ in range(2))
-        return AccumulatingCall((dw, wh, we, *accumulators))
+        return self.with_edge_values(case, AccumulatingCall((dw, wh, we, *accumulators)), generator)
 
     def expected_layout(self, case):
         shape = (N, case.params.hidden)

@@ -7,8 +7,8 @@ backward its own; the inference fuse ``mhc_pre_big_fuse`` and the activation rec
 ``mhc_multilayer_recompute``. n = 4 streams everywhere, as in every DeepSeek model. (The trainable
 layers built from these are ``oracle.modeling``'s.)
 
-Cases. Stream ops (those with a hidden size C): ``quick`` has T ∈ {0, 1, 37, 5 (strided), 3} with
-C ∈ {64, 128, 1280}; ``full`` has every T ∈ {0, 1, 4001, 8192} with every C ∈ {1280, 2560, 4096,
+Cases. Stream ops (those with a hidden size C): ``quick`` has T ∈ {0, 1, 37, 5 (strided), 3, 2} with
+C ∈ {64, 128, 1280, 7168}; ``full`` has every T ∈ {0, 1, 4001, 8192} with every C ∈ {1280, 2560, 4096,
 7168} (the [TK] test sizes; 7168 is V4-Pro's), plus a strided case. Token ops (split, Sinkhorn,
 head) have the same token counts. Sinkhorn runs every shape with repeat 10 ([TK]'s default) and 20
 (DeepSeek's models). Named benchmarks (``full``): ``mhc_post`` forward and backward at T 8192,
@@ -45,6 +45,7 @@ from einops import repeat as repeat_tensor
 
 from tileproof.reference import mhc as reference
 
+from .engram import FloatEdges
 from .floatops import (
     BF16_BOUND,
     F64,
@@ -77,7 +78,8 @@ PAD = 8  # extra elements per row of a strided input
 
 # (tokens, hidden, pad) of the stream ops, and (tokens, pad) of the token ops.
 STREAM_SHAPES = {
-    "quick": [(0, 64, 0), (1, 64, 0), (37, 128, 0), (5, 64, PAD), (3, 1280, 0)],
+    # C 7168 reaches mhc_post's wide-row schedule (one CTA per row: ``optimized.mhc.post_schedule``).
+    "quick": [(0, 64, 0), (1, 64, 0), (37, 128, 0), (5, 64, PAD), (3, 1280, 0), (2, 7168, 0)],
     "full": [(t, c, 0) for c in HIDDENS for t in TOKENS] + [(4001, 2560, 64)],
 }
 TOKEN_SHAPES = {
@@ -194,7 +196,7 @@ def _check_text(name: str, ok: bool, policy: str, metric: str, detail: str = "")
     return Check(name, PASS if ok else FAIL, policy, metric, "" if ok else detail)
 
 
-class MhcOp(FloatOp):
+class MhcOp(FloatEdges, FloatOp):
     family = "mhc"
     stream_op = True  # has a hidden size C (else: a token op)
 
@@ -277,13 +279,14 @@ def _tensor(shape, dtype, device, generator, make) -> torch.Tensor:
 
 
 class ExpandToMhc(MhcOp):
+    edge_arguments = {"": (0, 1)}  # the hidden state, rows of C
     outputs = (Output("out", Bitwise(), WHY_COPY),)
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
         shape = (p.tokens, p.hidden)
         hidden = place(normal(shape, generator) if generator is not None else None, shape, BF16, device, p.pad)
-        return Call((hidden, N))
+        return self.with_edge_values(case, Call((hidden, N)), generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -300,10 +303,11 @@ class ExpandToMhc(MhcOp):
 
 
 class ExpandToMhcBwd(MhcOp):
+    edge_arguments = {"": (0, 1)}  # the streams' gradient, rows of C
     outputs = (Output("grad_hidden", RelativeError(BF16_BOUND, SHORT_SUM_ATOL), WHY_EXPAND_BWD),)
 
     def build(self, case, device, generator):
-        return Call((_streams(case.params, device, generator),))
+        return self.with_edge_values(case, Call((_streams(case.params, device, generator),)), generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -348,6 +352,7 @@ def _folded_fn64(fn: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
 
 
 class PreNormFn(MhcOp):
+    edge_arguments = {"": (0, 2)}  # the residual, a token's n·C values (fn is a parameter)
     outputs = (
         Output(
             "mixes",
@@ -365,7 +370,7 @@ class PreNormFn(MhcOp):
         residual, fn, weight = _norm_fn_inputs(
             p, device, generator, fn_scale=inverse_sqrt_pow2(p.width), stream_scale=1.0, zero_token=True
         )
-        return Call((residual, fn, weight, p.eps))
+        return self.with_edge_values(case, Call((residual, fn, weight, p.eps)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, M)),)
@@ -390,6 +395,8 @@ class PreNormFn(MhcOp):
 
 
 class PreNormFnBwd(MhcOp):
+    edge_arguments = {"grad": (0, 1), "residual": (1, 2)}
+    edge_targets = ("grad", "residual")
     outputs = (
         Output(
             "grad_residual",
@@ -422,7 +429,7 @@ class PreNormFnBwd(MhcOp):
             p, device, generator, fn_scale=2.0**-3, stream_scale=scale, zero_token=False
         )
         grad = _tensor((p.tokens, M), F32, device, generator, lambda: normal((p.tokens, M), generator, scale))
-        return Call((grad, residual, fn, weight, p.eps))
+        return self.with_edge_values(case, Call((grad, residual, fn, weight, p.eps)), generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -478,6 +485,7 @@ def _z_premise_check(z: torch.Tensor) -> Check:
 
 
 class SplitMixes(MhcOp):
+    edge_arguments = {"": (0, 1)}  # the mixes, rows of m
     stream_op = False
     outputs = (
         Output("pre", RelativeError(SIGMOID_BOUND), WHY_SIGMOID),
@@ -491,7 +499,7 @@ class SplitMixes(MhcOp):
     def build(self, case, device, generator):
         p: MhcParams = case.params
         mixes, scale, base = _split_inputs(p, device, generator, 1.0)
-        return Call((mixes, scale, base, N, p.post_mult, p.pre_eps))
+        return self.with_edge_values(case, Call((mixes, scale, base, N, p.post_mult, p.pre_eps)), generator)
 
     def expected_layout(self, case):
         t = case.params.tokens
@@ -520,6 +528,9 @@ class SplitMixes(MhcOp):
 
 
 class SplitMixesBwd(MhcOp):
+    edge_arguments = {"grad_pre": (0, 1), "grad_post": (1, 1), "grad_comb": (2, 2), "mixes": (3, 1)}
+    edge_targets = ("grad_pre", "grad_post", "grad_comb", "mixes")
+    edge_base_count = 3
     stream_op = False
     outputs = (
         Output("grad_mixes", RelativeError(SIGMOID_GRAD_BOUND), WHY_SIGMOID_GRAD),
@@ -542,7 +553,7 @@ class SplitMixesBwd(MhcOp):
             _tensor(shape, F32, device, generator, lambda shape=shape: normal(shape, generator, g))
             for shape in ((p.tokens, N), (p.tokens, N), (p.tokens, N, N))
         ]
-        return Call((*grads, mixes, scale, base, N, p.post_mult))
+        return self.with_edge_values(case, Call((*grads, mixes, scale, base, N, p.post_mult)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, M)), (F32, (3,)), (F32, (M,)))
@@ -598,6 +609,7 @@ def _column_sums_before_last_step(logits: torch.Tensor, repeat: int, eps: float)
 
 
 class Sinkhorn(MhcOp):
+    edge_arguments = {"": (0, 2)}  # the logits, a token's n×n
     stream_op = False
     outputs = (
         Output(
@@ -618,7 +630,7 @@ class Sinkhorn(MhcOp):
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
-        return Call((_logits(p, device, generator), p.repeat, p.eps))
+        return self.with_edge_values(case, Call((_logits(p, device, generator), p.repeat, p.eps)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, N, N)),)
@@ -654,6 +666,8 @@ class Sinkhorn(MhcOp):
 
 
 class SinkhornBwd(MhcOp):
+    edge_arguments = {"grad": (0, 2), "logits": (1, 2)}
+    edge_targets = ("grad", "logits")
     stream_op = False
     outputs = (
         Output(
@@ -675,7 +689,7 @@ class SinkhornBwd(MhcOp):
         logits = _logits(p, device, generator)
         shape = (p.tokens, N, N)
         grad = _tensor(shape, F32, device, generator, lambda: normal(shape, generator))
-        return Call((grad, logits, p.repeat, p.eps))
+        return self.with_edge_values(case, Call((grad, logits, p.repeat, p.eps)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, N, N)),)
@@ -701,11 +715,14 @@ class SinkhornBwd(MhcOp):
 
 
 class ApplyMix(MhcOp):
+    edge_arguments = {"x": (0, 2), "mix": (1, 1)}
+    edge_targets = ("x", "mix")
     outputs = (Output("layer_input", RelativeError(BF16_BOUND, SHORT_SUM_ATOL), WHY_SHORT_BF16),)
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
-        return Call((_streams(p, device, generator), _pre_mix(p, device, generator)))
+        call = Call((_streams(p, device, generator), _pre_mix(p, device, generator)))
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -721,6 +738,9 @@ class ApplyMix(MhcOp):
 
 
 class ApplyMixBwd(MhcOp):
+    edge_arguments = {"grad": (0, 1), "x": (1, 2), "mix": (2, 1)}
+    edge_targets = ("grad", "x", "mix")
+    edge_base_count = 3
     outputs = (
         Output("grad_x", RelativeError(BF16_BOUND), WHY_PRODUCT_BF16),
         Output("grad_mix", RelativeError(SUM_OVER_C_BOUND, atol=0.5), WHY_SUM_OVER_C),
@@ -731,7 +751,7 @@ class ApplyMixBwd(MhcOp):
         shape = (p.tokens, p.hidden)
         grad = _tensor(shape, BF16, device, generator, lambda: normal(shape, generator))
         x = _streams(p, device, generator, inverse_sqrt_pow2(p.hidden))
-        return Call((grad, x, _pre_mix(p, device, generator)))
+        return self.with_edge_values(case, Call((grad, x, _pre_mix(p, device, generator))), generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -752,6 +772,9 @@ class ApplyMixBwd(MhcOp):
 
 
 class Post(MhcOp):
+    edge_arguments = {"y": (0, 1), "residual": (1, 2), "post": (2, 1), "comb": (3, 2)}
+    edge_targets = ("y", "residual", "post", "comb")
+    edge_base_count = 3
     outputs = (
         Output(
             "residual_out",
@@ -769,7 +792,8 @@ class Post(MhcOp):
         shape = (p.tokens, p.hidden)
         y = _tensor(shape, BF16, device, generator, lambda: normal(shape, generator))
         residual = _streams(p, device, generator)
-        return Call((y, residual, _post_mix(p, device, generator), _comb(p, device, generator)))
+        call = Call((y, residual, _post_mix(p, device, generator), _comb(p, device, generator)))
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -784,6 +808,9 @@ class Post(MhcOp):
 
 
 class PostBwd(MhcOp):
+    edge_arguments = {"grad": (0, 2), "y": (1, 1), "residual": (2, 2), "post": (3, 1), "comb": (4, 2)}
+    edge_targets = ("grad", "y", "residual", "post", "comb")
+    edge_base_count = 3
     outputs = (
         Output("grad_x", RelativeError(BF16_BOUND, SHORT_SUM_ATOL), WHY_SHORT_BF16),
         Output("grad_residual", RelativeError(BF16_BOUND, SHORT_SUM_ATOL), WHY_SHORT_BF16),
@@ -803,7 +830,8 @@ class PostBwd(MhcOp):
             (p.tokens, p.hidden), BF16, device, generator, lambda: normal((p.tokens, p.hidden), generator, scale)
         )
         residual = _streams(p, device, generator, scale)
-        return Call((grad, y, residual, _post_mix(p, device, generator), _comb(p, device, generator)))
+        call = Call((grad, y, residual, _post_mix(p, device, generator), _comb(p, device, generator)))
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -841,12 +869,13 @@ def _head_inputs(p: MhcParams, device, generator, mix_scale: float):
 
 
 class HeadMix(MhcOp):
+    edge_arguments = {"": (0, 1)}  # the input mix, rows of n
     stream_op = False
     outputs = (Output("head_mix", RelativeError(SIGMOID_BOUND), WHY_SIGMOID),)
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
-        return Call((*_head_inputs(p, device, generator, 1.0), p.pre_eps))
+        return self.with_edge_values(case, Call((*_head_inputs(p, device, generator, 1.0), p.pre_eps)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, N)),)
@@ -866,6 +895,8 @@ class HeadMix(MhcOp):
 
 
 class HeadMixBwd(MhcOp):
+    edge_arguments = {"grad": (0, 1), "mix": (1, 1)}
+    edge_targets = ("grad", "mix")
     stream_op = False
     outputs = (
         Output("grad_mix", RelativeError(SIGMOID_GRAD_BOUND), WHY_SIGMOID_GRAD),
@@ -886,7 +917,7 @@ class HeadMixBwd(MhcOp):
         mix, scale, base = _head_inputs(p, device, generator, 2.0**-3)
         shape = (p.tokens, N)
         grad = _tensor(shape, F32, device, generator, lambda: normal(shape, generator, inverse_sqrt_pow2(p.tokens)))
-        return Call((grad, mix, scale, base))
+        return self.with_edge_values(case, Call((grad, mix, scale, base)), generator)
 
     def expected_layout(self, case):
         return ((F32, (case.params.tokens, N)), (F32, (1,)), (F32, (N,)))
@@ -962,6 +993,7 @@ def _sinkhorn_gain(logits: torch.Tensor, repeat: int, eps: float) -> torch.Tenso
 
 
 class BigFuse(MhcOp):
+    edge_arguments = {"": (0, 2)}  # the residual, a token's n·C values
     outputs = (
         Output(
             "post_mix",
@@ -1008,7 +1040,7 @@ class BigFuse(MhcOp):
         scale = _tensor((3,), F32, device, generator, scales)
         base = _tensor((M,), F32, device, generator, lambda: uniform((M,), generator, -3.3, 3.3))
         args = (residual, fn, scale, base, p.eps, p.pre_eps, SINKHORN_EPS, p.post_mult, p.repeat, p.n_splits)
-        return Call(args, {"mhc_norm_weight": weight})
+        return self.with_edge_values(case, Call(args, {"mhc_norm_weight": weight}), generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -1042,19 +1074,24 @@ class BigFuse(MhcOp):
         steps = self.float64_steps(call)
         return steps["post"], steps["comb"], steps["layer_input"]
 
-    def extra_checks(self, case, call, outputs):
+    def edge_invariants(self, case, call, outputs):
+        """The definition, on any inputs: the four operators run one by one give the same bits (any
+        NaN matching any NaN, as the policy's)."""
         residual, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, _ = call.args
         weight = call.kwargs["mhc_norm_weight"]
-        # The definition: the four operators run one by one give the same bits.
         mixes = reference.mhc_pre_norm_fn(residual, fn, weight, rms_eps)
         pre, post, logits = reference.mhc_pre_split_mixes(mixes, scale, base, N, post_mult, pre_eps)
         comb = reference.sinkhorn_normalize(logits, repeat, sinkhorn_eps)
         layer_input = reference.mhc_pre_apply_mix(residual, pre)
         one_by_one = "≡ norm-fn → split → Sinkhorn → pre-apply, one by one"
-        checks = [
-            compare(f"{one_by_one}: {output.name}", actual, expected, Bitwise())
+        return [
+            compare(f"{one_by_one}: {output.name}", actual, expected, Bitwise(nan_equal=True))
             for output, actual, expected in zip(self.outputs, outputs, (post, comb, layer_input), strict=True)
         ]
+
+    def extra_checks(self, case, call, outputs):
+        residual, fn, scale, base, rms_eps, pre_eps, sinkhorn_eps, post_mult, repeat, _ = call.args
+        checks = self.edge_invariants(case, call, outputs)
         steps = self.float64_steps(call)
 
         def worst(values: torch.Tensor) -> float:
@@ -1086,7 +1123,8 @@ RECOMPUTE_LAYERS = {"quick": ((2, 2), (1, 0), (4, 4), (3, 2), (2, 1)), "full": (
 WHY_RECOMPUTE = (
     "every element is an fp32 sum of ≤ n + 1 products rounded once to bf16, and the case's exact values lie more "
     "than 8·2^-24·Σ|terms| from a bf16 rounding boundary (redrawn where not), beyond any evaluation order's "
-    "error: one right answer per layer, intermediate residuals rounded to bf16 as the unfused path stores them"
+    "error: one right answer per layer, intermediate residuals rounded to bf16 as the unfused path stores them; a "
+    "NaN (from a NaN input) matches any NaN"
 )
 
 
@@ -1205,7 +1243,15 @@ def _unwritten(shape, device) -> torch.Tensor:
 
 
 class MultilayerRecompute(MhcOp):
-    outputs = (Output("layer_inputs", Bitwise(), WHY_RECOMPUTE), Output("residuals", Bitwise(), WHY_RECOMPUTE))
+    # NaN and ±Inf in the first residual only: they propagate through every layer without rounding
+    # anything, so the outputs stay bitwise; a finite edge value would move the exact values onto
+    # bf16 rounding boundaries the inputs were drawn away from (see FRAGILE_MARGIN).
+    edge_kinds = ("nan", "inf")
+    edge_arguments = {"": (0, 2)}
+    outputs = (
+        Output("layer_inputs", Bitwise(nan_equal=True), WHY_RECOMPUTE),
+        Output("residuals", Bitwise(nan_equal=True), WHY_RECOMPUTE),
+    )
 
     def cases(self, tier):
         shapes = [MhcParams(t, c, pad) for t, c, pad in STREAM_SHAPES[tier]]
@@ -1237,7 +1283,10 @@ class MultilayerRecompute(MhcOp):
         ys = [place(y, shape, BF16, device, p.pad) for y in ys]
         layer_inputs = [_unwritten(shape, device) for _ in range(p.layers)]
         residuals = [_unwritten(stream_shape, device) for _ in range(p.posts)]
-        return RecomputeCall((x0, pres, ys, posts, combs, layer_inputs, residuals))
+        # Edge values after the inputs were drawn away from rounding boundaries: NaN and ±Inf only,
+        # which propagate through every layer without rounding anything (see edge_kinds).
+        call = RecomputeCall((x0, pres, ys, posts, combs, layer_inputs, residuals))
+        return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
         p = case.params
@@ -1273,7 +1322,13 @@ class MultilayerRecompute(MhcOp):
             ),
             compare("≡ float64 replay, rounded (residuals)", residuals, stacked(exact_residuals, residuals), Bitwise()),
         ]
-        # The contract: bit-identical to mhc_pre_apply_mix and mhc_post run layer by layer.
+        return checks + self.edge_invariants(case, call, outputs)
+
+    def edge_invariants(self, case, call, outputs):
+        """The contract, on any inputs: bit-identical to mhc_pre_apply_mix and mhc_post run layer by
+        layer (any NaN matching any NaN, as the policy's)."""
+        x0, pres, ys, posts, combs, _, _ = call.args
+        layer_inputs, residuals = outputs
         streams, one_by_one_inputs, one_by_one_residuals = x0, [], []
         for layer, pre in enumerate(pres):
             one_by_one_inputs.append(reference.mhc_pre_apply_mix(streams, pre))
@@ -1283,11 +1338,11 @@ class MultilayerRecompute(MhcOp):
         expected_residuals = (
             torch.stack(one_by_one_residuals) if one_by_one_residuals else residuals.new_empty(residuals.shape)
         )
-        checks += [
-            compare("≡ layers one by one (mhc_pre_apply_mix)", layer_inputs, torch.stack(one_by_one_inputs), Bitwise()),
-            compare("≡ layers one by one (mhc_post)", residuals, expected_residuals, Bitwise()),
+        same = Bitwise(nan_equal=True)
+        return [
+            compare("≡ layers one by one (mhc_pre_apply_mix)", layer_inputs, torch.stack(one_by_one_inputs), same),
+            compare("≡ layers one by one (mhc_post)", residuals, expected_residuals, same),
         ]
-        return checks
 
 
 # --- registration -----------------------------------------------------------------------------

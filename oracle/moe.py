@@ -53,7 +53,7 @@ from tileproof.reference import moe as reference
 from tileproof.reference.contract import ceil_div
 
 from .policy import FAIL, PASS, Bitwise, Check, RelativeError, structure_mismatch
-from .registry import Call, Case, OpSpec, Output, register
+from .registry import FLOAT_EDGE_KINDS, Call, Case, Edge, OpSpec, Output, register, write_edge_values
 
 EXPERTS = (16, 32, 64, 72, 96, 128, 144, 256, 384)
 TOPKS = (1, 2, 6, 8, 9)
@@ -232,7 +232,11 @@ class GateParams:
     padding: int = 0  # extra elements after each row (topk_gate) or group (the group op): a strided view
 
 
-def _scores(p: GateParams, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+def _scores(
+    p: GateParams, device: torch.device, generator: torch.Generator | None, edge: Edge | None = None
+) -> torch.Tensor:
+    """Scores ``[T, E]`` (``[T, G, E/G]`` for the group op), a strided view when the case pads; an edge
+    case's values one unit per row (per group for the group op)."""
     shape = (p.tokens, p.experts) if not p.groups else (p.tokens, p.groups, p.experts // p.groups)
     wide = (*shape[:-1], shape[-1] + p.padding)
     if generator is None:
@@ -244,10 +248,22 @@ def _scores(p: GateParams, device: torch.device, generator: torch.Generator | No
         values = torch.randn(wide, generator=generator)
     if p.padding:
         values[..., shape[-1] :] = float("nan")  # read past a row's end and the ranking shows it
+    if edge is not None:
+        write_edge_values(values[..., : shape[-1]], edge.kind, generator)
     return values.to(device)[..., : shape[-1]]
 
 
-class TopkGateOp(MoeOp):
+class GateEdges:
+    """The edge profile of the two ranking operators: every class in the scores, on two quick cases.
+    The stable descending order ranks NaN first (``torch.sort``'s order), +Inf next, -Inf last."""
+
+    edge_kinds = FLOAT_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        return case.params.tokens > 0 and not case.benchmark
+
+
+class TopkGateOp(GateEdges, MoeOp):
     name = "topk_gate"
     outputs = (Output("topk_idx", Bitwise(), WHY_INDICES),)
 
@@ -276,7 +292,7 @@ class TopkGateOp(MoeOp):
 
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
         p: GateParams = case.params
-        return Call((_scores(p, device, generator), p.topk))
+        return Call((_scores(p, device, generator, case.edge), p.topk))
 
     def bytes_moved(self, case: Case) -> int:
         p: GateParams = case.params
@@ -299,7 +315,7 @@ class TopkGateOp(MoeOp):
         return [layout, _problems_check("stable top-k", "descending, ties → smaller index", problems)]
 
 
-class GroupTopkOp(MoeOp):
+class GroupTopkOp(GateEdges, MoeOp):
     name = "topk_sum_and_topk_group_idx"
     outputs = (Output("group_idx", Bitwise(), WHY_INDICES + "; a sum of two fp32 values is the same in any order"),)
 
@@ -328,7 +344,7 @@ class GroupTopkOp(MoeOp):
 
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
         p: GateParams = case.params
-        return Call((_scores(p, device, generator), p.topk_sum, p.topk))
+        return Call((_scores(p, device, generator, case.edge), p.topk_sum, p.topk))
 
     def bytes_moved(self, case: Case) -> int:
         p: GateParams = case.params
@@ -494,6 +510,25 @@ def _physical_map(p: RouterParams, generator: torch.Generator) -> tuple[torch.Te
     return to_physical, count
 
 
+# The router's edge classes: finite ones only (the contract refuses NaN and ±Inf in a routed token's
+# logits: ValueError, the kernel device-asserts). Zeros and subnormals fill blocks of 8 experts
+# (their scores tie exactly: sigmoid 0.5, the ranking is decided by the bias); a max or an outlier
+# is one logit per token, so that no two of them tie in fp32 where float64 would rank them.
+ROUTER_EDGE_KINDS = ("zero", "max", "subnormal", "outlier")
+SCORINGS = ("sigmoid", "sqrtsoftplus", "softmax")
+ROUTER_EDGE_BLOCK = 8
+
+
+def _write_router_edge_values(logits: torch.Tensor, edge: Edge | None, generator: torch.Generator) -> torch.Tensor:
+    """An edge case's values written into the fp32 logits (CPU, in place); where they are, as a mask."""
+    before = logits.clone()
+    if edge is not None:
+        spread = edge.kind in ("zero", "subnormal")
+        block = (1, ROUTER_EDGE_BLOCK) if spread else None
+        write_edge_values(logits, edge.kind, generator, block=block)
+    return before.view(torch.int32) != logits.view(torch.int32)
+
+
 def _router_with_buffer(fn: Callable) -> Callable:
     """``fn`` (either twin) called on a copy of ``unmapped_topk_idx`` (same strides), which becomes the
     third output; the case's own buffer stays untouched. Without a buffer the third output is an
@@ -528,6 +563,21 @@ class Top2SumGateOp(MoeOp):
         ),
         Output("unmapped_topk_idx", Bitwise(), "integer indices written in place (a copy of the case's buffer)"),
     )
+
+    edge_kinds = ROUTER_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        p: RouterParams = case.params
+        return p.tokens > 0 and not p.special and not case.benchmark
+
+    def edge_bases(self, quick: list[Case]) -> list[Case]:
+        """One quick case per scoring function: each saturates its own way (sigmoid at 0 and 1,
+        softplus on its linear branch, softmax through its shift by the row maximum)."""
+        usable = [case for case in quick if self.edge_base_ok(case)]
+        return [
+            max((case for case in usable if case.params.scoring == scoring), key=lambda case: case.params.tokens)
+            for scoring in SCORINGS
+        ]
 
     def label(self, p: RouterParams) -> str:
         parts = [self.name, p.scoring, f"R{p.experts}", f"k{p.topk}"]
@@ -578,12 +628,15 @@ class Top2SumGateOp(MoeOp):
         else:
             bias = torch.randn(R, generator=generator) * 0.1
             logits = _draw_logits(T, p, generator)
+            # Edge values stay where they are written; the redraws change the other logits only.
+            edge_values = _write_router_edge_values(logits, case.edge, generator)
             for _ in range(100):
                 _, margin = _ideal_routing(logits, bias, p)
                 redraw = margin < ROUTING_GAP
                 if not redraw.any():
                     break
-                logits[redraw] = _draw_logits(int(redraw.sum()), p, generator)
+                fresh = _draw_logits(int(redraw.sum()), p, generator)
+                logits[redraw] = torch.where(edge_values[redraw], logits[redraw], fresh)
             else:
                 raise RuntimeError(f"{case.label}: could not draw logits with routing gaps >= {ROUTING_GAP}")
         if p.mask:
@@ -733,9 +786,9 @@ class NormalizeWeightOp(MoeOp):
     name = "normalize_weight"
     why = (
         "a fixed sequence of IEEE fp32 operations (sum left to right from fp32(1e-20), then one correctly "
-        "rounded division per weight): exactly one right answer"
+        "rounded division per weight): exactly one right answer; a NaN (from a NaN or Inf weight) matches any NaN"
     )
-    outputs = (Output("den", Bitwise(), why), Output("normalized", Bitwise(), why))
+    outputs = (Output("den", Bitwise(nan_equal=True), why), Output("normalized", Bitwise(nan_equal=True), why))
 
     def label(self, p: WeightParams) -> str:
         return f"{self.name}/T{p.tokens}/k{p.topk}"
@@ -752,6 +805,11 @@ class NormalizeWeightOp(MoeOp):
             cases.append(Case(self.name, self.label(p), p, benchmark=True, title="normalize_weight 16384×8"))
         return cases
 
+    edge_kinds = FLOAT_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        return case.params.tokens > 0 and not case.benchmark
+
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
         p: WeightParams = case.params
         if generator is None:
@@ -762,6 +820,8 @@ class NormalizeWeightOp(MoeOp):
             weights[1] = 0.0
             weights[2] *= 1e-30
             weights[3, 1:] = 0.0
+        if case.edge is not None:
+            write_edge_values(weights, case.edge.kind, generator)
         return Call((weights.to(device),))
 
     def compile_group(self, case: Case) -> Hashable | None:
@@ -783,6 +843,11 @@ class NormalizeWeightOp(MoeOp):
         ]
         weights = call.args[0].double()
         den, normalized = (o.double() for o in outputs)
+        if case.edge is not None:
+            # The invariants of routing weights (finite, non-negative), on the rows that still are and
+            # whose sum is finite in fp32 (the others: docs/numerics.md, tests/test_reference_edge.py).
+            kept = torch.isfinite(weights).all(dim=1) & (weights >= 0).all(dim=1) & torch.isfinite(den)
+            weights, den, normalized = weights[kept], den[kept], normalized[kept]
         exact = 1e-20 + weights.sum(dim=1)
         problems = []
         if ((den - exact).abs() > (p.topk + 1) * FP32_ULP * exact).any():
@@ -1143,6 +1208,30 @@ class FusedOp(MoeOp):
             ),
         }[name]
 
+    # -- the edge profile: the copies' rows (every class the dtype holds), reduce's rows, weights
+    # and row scales in turn; not the mapping, whose inputs are integers --
+
+    edge_base_count = 3
+
+    @property
+    def edge_kinds(self) -> tuple[str, ...]:
+        return () if self.name == "get_fused_mapping" else FLOAT_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        return case.params.tokens > 0 and not case.benchmark
+
+    def edge_kinds_of(self, case: Case) -> tuple[str, ...]:
+        p: FusedParams = case.params
+        if p.x_dtype == "e4m3":  # float8_e4m3fn has no infinity
+            return tuple(kind for kind in self.edge_kinds if kind != "inf")
+        return self.edge_kinds
+
+    def edge_targets_of(self, case: Case) -> tuple[str, ...]:
+        p: FusedParams = case.params
+        if self.name != "reduce_fused":
+            return ("",)
+        return ("x",) + (("weights",) if p.weights else ()) + (("x_sf",) if p.x_sf else ())
+
     def cases(self, tier: str) -> list[Case]:
         cases = [Case(self.name, _fused_label(self.name, p), p) for p in _fused_params(tier, self.name)]
         if tier != "full":
@@ -1191,14 +1280,16 @@ class FusedOp(MoeOp):
             return Call((idx, p.local_experts, size, p.alignment, p.expanded == "no_sync"))
         token_topk_to_pos, pos_to_expert = self._mapping(p, device, generator)
         if self.name == "reduce_fused":
-            return self._reduce_call(p, device, generator, token_topk_to_pos)
+            return self._reduce_call(p, device, generator, token_topk_to_pos, case.edge)
         x = _rows(p.tokens, p.hidden, p.x_dtype, p.row_stride, device, generator)
+        if case.edge is not None and generator is not None:
+            write_edge_values(x, case.edge.kind, generator)
         if self.name == "expand_to_fused":
             return Call((x, token_topk_to_pos, pos_to_expert))
         sf = _scales(p, device, generator)
         return Call(((x, sf), p.num_per_channels, token_topk_to_pos, pos_to_expert, p.col_major))
 
-    def _reduce_call(self, p: FusedParams, device, generator, token_topk_to_pos) -> Call:
+    def _reduce_call(self, p: FusedParams, device, generator, token_topk_to_pos, edge: Edge | None = None) -> Call:
         x = _rows(p.rows, p.hidden, p.x_dtype, 0, device, generator)
         weights = x_sf = None
         if generator is None:
@@ -1215,6 +1306,8 @@ class FusedOp(MoeOp):
                 weights = weights.to(device)
             if p.x_sf:
                 x_sf = (torch.rand(p.rows, generator=generator) + 0.5).masked_fill(padding, float("nan")).to(device)
+            if edge is not None:
+                _write_reduce_edge_values(edge, generator, ~padding.to(device), x, weights, x_sf)
         sf = None
         if p.sf:
             sf = torch.tensor([FP8_OUTPUT_SF if p.fp8 else PLAIN_OUTPUT_SF], dtype=torch.float32, device=device)
@@ -1263,9 +1356,10 @@ class FusedOp(MoeOp):
         p: FusedParams = case.params
         if self.name == "get_fused_mapping":
             return _mapping_checks(self.outputs, p, call, outputs)
+        edge = case.edge is not None
         if self.name == "reduce_fused":
-            return _reduce_checks(self.outputs, p, call, outputs)
-        return _expand_checks(self.outputs, p, call, outputs)
+            return _reduce_checks(self.outputs, p, call, outputs, edge)
+        return _expand_checks(self.outputs, p, call, outputs, edge)
 
     def split(self, result) -> tuple[torch.Tensor, ...]:
         if self.name != "get_fused_mapping":
@@ -1273,6 +1367,20 @@ class FusedOp(MoeOp):
         *tensors, sizes = result
         device = tensors[0].device
         return (*tensors, torch.tensor(sizes, dtype=torch.int32, device=device).reshape(-1))
+
+
+def _write_reduce_edge_values(edge: Edge, generator, read: torch.Tensor, x, weights, x_sf) -> None:
+    """reduce_fused's edge values, in place: in the rows of x a slot reads (padding rows stay NaN,
+    never read), in the weights (one unit per token), or in x_sf (one unit per row a slot reads)."""
+    if edge.target == "weights":
+        write_edge_values(weights, edge.kind, generator)
+        return
+    values = x[read] if edge.target == "x" else x_sf[read]
+    write_edge_values(values, edge.kind, generator, block=(1, 1) if edge.target == "x_sf" else None)
+    if edge.target == "x":
+        x[read] = values
+    else:
+        x_sf[read] = values
 
 
 def _rows(rows: int, hidden: int, dtype_name: str, row_stride: int, device, generator) -> torch.Tensor:
@@ -1362,7 +1470,7 @@ def _mapping_checks(outputs_spec, p: FusedParams, call: Call, outputs) -> list[C
     return checks
 
 
-def _expand_checks(outputs_spec, p: FusedParams, call: Call, outputs) -> list[Check]:
+def _expand_checks(outputs_spec, p: FusedParams, call: Call, outputs, edge: bool = False) -> list[Check]:
     x = call.args[0][0] if isinstance(call.args[0], tuple) else call.args[0]
     token_topk_to_pos = call.args[2] if p.num_per_channels else call.args[1]
     rows, dtype = p.rows, DATA_DTYPES[p.x_dtype]
@@ -1388,7 +1496,7 @@ def _expand_checks(outputs_spec, p: FusedParams, call: Call, outputs) -> list[Ch
             problems.append(f"{name}: a padding row is not zero")
     checks.append(_problems_check("rows copied, padding zero", "bitwise", problems))
     if p.x_dtype in ("bf16", "fp32", "fp16") and p.tokens:
-        checks.append(_round_trip_check(p, x, token_topk_to_pos, outputs[0]))
+        checks.append(_round_trip_check(p, x, token_topk_to_pos, outputs[0], edge))
     return checks
 
 
@@ -1396,16 +1504,20 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[tensor.element_size()])
 
 
-def _round_trip_check(p: FusedParams, x, token_topk_to_pos, expanded) -> Check:
-    """reduce_fused(expand_to_fused(x), normalised weights) ≈ x for tokens with a slot, 0 otherwise."""
+def _round_trip_check(p: FusedParams, x, token_topk_to_pos, expanded, edge: bool = False) -> Check:
+    """reduce_fused(expand_to_fused(x), normalised weights) ≈ x for tokens with a slot, 0 otherwise.
+    With ``edge`` (an edge case), over the tokens whose rows are finite before and after only."""
     valid = token_topk_to_pos >= 0
     weights = torch.where(valid, 1.0, 0.0).to(device=x.device, dtype=torch.float32)
     _, weights = reference.normalize_weight(weights)
     back = reference.reduce_fused(expanded, weights, token_topk_to_pos)
     has_slot = valid.any(dim=1)
-    error = (back[has_slot].double() - x[has_slot].double()).abs()
+    compared = has_slot
+    if edge:
+        compared = has_slot & torch.isfinite(x.double()).all(dim=1) & torch.isfinite(back.double()).all(dim=1)
+    error = (back[compared].double() - x[compared].double()).abs()
     bound = 2 * ROUNDOFF[p.x_dtype] + (p.topk + 2) * FP32_ULP
-    worst = float((error / x[has_slot].double().abs().clamp(min=1e-30)).max()) if error.numel() else 0.0
+    worst = float((error / x[compared].double().abs().clamp(min=1e-30)).max()) if error.numel() else 0.0
     zero_rows = not back[~has_slot].any()
     ok = worst <= bound and zero_rows
     detail = (
@@ -1414,7 +1526,7 @@ def _round_trip_check(p: FusedParams, x, token_topk_to_pos, expanded) -> Check:
     return Check("expand → reduce round trip", PASS if ok else FAIL, f"rel ≤ {bound:.3g}", f"{worst:.3g}", detail)
 
 
-def _reduce_checks(outputs_spec, p: FusedParams, call: Call, outputs) -> list[Check]:
+def _reduce_checks(outputs_spec, p: FusedParams, call: Call, outputs, edge: bool = False) -> list[Check]:
     data, weights, token_topk_to_pos, _, sf = call.args
     x, x_sf = data if isinstance(data, tuple) else (data, None)
     out_dtype = torch.float8_e4m3fn if p.fp8 else DATA_DTYPES[p.x_dtype]
@@ -1443,6 +1555,10 @@ def _reduce_checks(outputs_spec, p: FusedParams, call: Call, outputs) -> list[Ch
     allowed = u * exact.abs() + (1 + u) * (p.topk + 2) * FP32_ULP * magnitude + SUBNORMAL_HALF_STEP[fmt]
     error = (outputs[0].double() - exact).abs()
     bad = ~(error <= allowed)  # NaN fails: padding rows hold NaN and must never be read
+    if edge:
+        # Edge values: the elements whose float64 sum has non-finite terms or leaves the output's
+        # range are left out (their rule is the fp32 FMA chain itself: docs/numerics.md).
+        bad &= torch.isfinite(magnitude) & (exact.abs() <= torch.finfo(out_dtype).max)
     metric = f"{int(bad.sum())}/{bad.numel()} outside"
     status = FAIL if bad.any() else PASS
     detail = "an output differs from the float64 weighted sum by more than the rounding allows" if bad.any() else ""

@@ -18,6 +18,14 @@ oracle"); the policy, the measured metric and the bound travel with every result
   errors scale with intermediates larger than itself (a sum that cancels) names its per-element
   error scale (``scale``, in words); its float64 reference then comes as ``ScaledReference``
   (values and scales) and the denominator is ``max(|ref|, atol, scale)``.
+
+One edge-specific rule (the edge profile, docs/numerics.md): on a case whose inputs hold numeric
+edge values (NaN, ±Inf, ±max, subnormals, outliers, all-zero blocks) the float64 reference comes
+wrapped as ``EdgeReference``, and a ``RelativeError`` output is held to the *native* reference
+(the contract's fp32/bf16 arithmetic, ``compare``'s ``expected``) for where NaN and ±Inf appear,
+and to the bound from the float64 or from the native reference, whichever is nearer (see
+``EdgeReference``). ``Bitwise`` outputs keep their rule: edge values change nothing about "one
+right answer".
 """
 
 from __future__ import annotations
@@ -97,17 +105,46 @@ class ScaledReference:
         return self.values.shape
 
 
+@dataclass(frozen=True)
+class EdgeReference:
+    """The float64 reference of an edge case (``values``: a tensor or a ``ScaledReference``). With it,
+    ``RelativeError`` compares the output ``a`` with both the native reference ``n`` (the contract's
+    fp32/bf16 arithmetic: what ``compare`` is given as ``expected``) and the float64 values ``e``:
+
+    - where ``n`` is NaN, ``a`` is NaN; where ``n`` is ±Inf, ``a`` is the same infinity; where ``n``
+      is finite, ``a`` is finite. The native reference decides, not ``e``: edge values overflow fp32
+      where float64 does not (the square of a bf16 max is +Inf in fp32, so its rsqrt is 0; float64
+      has a tiny positive number), so where NaN and ±Inf appear is a property of the fp32 arithmetic
+      the contract prescribes and every implementation shares;
+    - a finite ``a`` is within the bound of ``e`` *or* within the bound of ``n`` (each with its own
+      denominator ``max(|ref|, atol, scale)``). Where an fp32 intermediate overflowed or underflowed
+      on the edge values, no fp32 result is near the float64 one (the reference's neither), and the
+      element is held to the fp32 reference instead; elsewhere the two agree and this is the usual
+      bound, up to the native reference's own rounding. The metric counts the elements that only the
+      native reference's bound admits ("k by fp32").
+    """
+
+    values: torch.Tensor | ScaledReference
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
 def compare(name: str, actual, expected: torch.Tensor, policy: Policy, *, expected64=None) -> Check:
     """Compare ``actual`` with the reference's ``expected`` under ``policy``.
 
     ``expected64`` is the reference computed in float64 (``RelativeError`` only); without it the
-    native reference result is upcast.
+    native reference result is upcast. An ``EdgeReference`` (edge cases) applies the edge rule, with
+    ``expected`` as the native reference.
     """
     problem = structure_mismatch(actual, expected, check_strides=isinstance(policy, Bitwise))
     if problem:
         return Check(name, FAIL, policy.short(), "structure", problem)
     if isinstance(policy, Bitwise):
         return _compare_bits(name, actual, expected, policy)
+    if isinstance(expected64, EdgeReference):
+        return _compare_relative_on_edges(name, actual, expected, expected64.values, policy)
     return _compare_relative(name, actual, expected if expected64 is None else expected64, policy)
 
 
@@ -188,6 +225,60 @@ def _compare_relative(name: str, actual: torch.Tensor, expected, policy: Relativ
         )
         if scale is not None:
             detail += f", error scale {float(scale[first]):.6g}"
+        return Check(name, FAIL, policy.short(), metric, detail)
+    return Check(name, PASS, policy.short(), metric)
+
+
+def _compare_relative_on_edges(
+    name: str, actual: torch.Tensor, native: torch.Tensor, exact, policy: RelativeError
+) -> Check:
+    """``RelativeError`` under the edge rule (``EdgeReference``): non-finite values exactly where the
+    native reference has them; finite values within the bound of the float64 or of the native one."""
+    scale = None
+    if isinstance(exact, ScaledReference):
+        exact, scale = exact.values, exact.scale
+    if policy.scale and scale is None:
+        return Check(name, ERROR, policy.short(), "", f"no float64 error scale given ({policy.scale})")
+    if exact.numel() == 0:
+        return Check(name, PASS, policy.short(), "empty")
+    e = exact.to(torch.float64)
+    a = actual.to(device=e.device, dtype=torch.float64)
+    n = native.to(device=e.device, dtype=torch.float64)
+    native_finite = torch.isfinite(n)
+    same_nonfinite = (torch.isnan(n) & torch.isnan(a)) | (a == n)
+    bad = (~native_finite & ~same_nonfinite) | (native_finite & ~torch.isfinite(a))
+    floor = None if scale is None else scale.to(device=e.device, dtype=torch.float64)
+
+    def relative_to(reference: torch.Tensor) -> torch.Tensor:
+        """|a - reference| / max(|reference|, atol, scale); +Inf where either is not finite."""
+        denominator = torch.clamp(reference.abs(), min=policy.atol) if policy.atol > 0 else reference.abs()
+        if floor is not None:
+            denominator = torch.maximum(denominator, floor)
+        error = (a - reference).abs()
+        relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
+        usable = torch.isfinite(reference) & torch.isfinite(a)
+        return torch.where(usable, relative, torch.full_like(relative, float("inf")))
+
+    to_float64, to_native = relative_to(e), relative_to(n)
+    compared = native_finite & torch.isfinite(a)
+    errors = torch.where(compared, torch.minimum(to_float64, to_native), torch.zeros_like(e))
+    by_fp32 = int((compared & ~(to_float64 <= policy.bound) & (to_native <= policy.bound)).sum().item())
+    worst = float(errors.max().item())
+    metric = f"{worst:.3g}" + (f"; {by_fp32} by fp32" if by_fp32 else "")
+    bad_count = int(bad.sum().item())
+    if bad_count:
+        first = _unravel(int(bad.reshape(-1).nonzero()[0].item()), tuple(e.shape))
+        detail = (
+            f"{bad_count} non-finite mismatches with the native reference; first at {list(first)}: reference "
+            f"{n[first].item()!r}, got {a[first].item()!r}"
+        )
+        return Check(name, FAIL, policy.short(), metric, detail)
+    if not worst <= policy.bound:
+        first = _unravel(int(errors.reshape(-1).argmax().item()), tuple(e.shape))
+        detail = (
+            f"relative error {worst:.3g} > {policy.bound:g} from both references; worst at {list(first)}: float64 "
+            f"{e[first].item()!r}, native {n[first].item()!r}, got {a[first].item()!r}"
+        )
         return Check(name, FAIL, policy.short(), metric, detail)
     return Check(name, PASS, policy.short(), metric)
 

@@ -42,7 +42,18 @@ from tileproof.reference import quant_blocks as reference_blocks
 from tileproof.reference.contract import CAST_FORMATS, PER_TOKEN_CAST_FORMATS, ScaleLayout, align, ceil_div
 
 from .policy import FAIL, PASS, Bitwise, Check, compare, structure_mismatch
-from .registry import Call, Case, OpSpec, Output, register
+from .registry import (
+    CAST_EDGE_KINDS,
+    Call,
+    Case,
+    Edge,
+    OpSpec,
+    Output,
+    edge_units,
+    register,
+    write_at,
+    write_edge_values,
+)
 
 FORMATS = ("e4m3", "e2m1")
 CHANNELS = (16, 32, 64, 128)
@@ -228,15 +239,56 @@ def _values(tokens: int, hidden: int, generator: torch.Generator, special: str) 
     return values
 
 
-def _make_x(p: QuantParams, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
-    """x ``[T, H]`` of ``p.dtype`` with row stride ``p.row_stride``; padding between rows is NaN."""
+def _make_x(
+    p: QuantParams,
+    device: torch.device,
+    generator: torch.Generator | None,
+    edge: Edge | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """x ``[T, H]`` of ``p.dtype`` with row stride ``p.row_stride``; padding between rows is NaN. An
+    edge case's values are then written into its ``block`` tiles (the cast's scale blocks)."""
     dtype = DTYPES[p.dtype]
     width = p.row_stride or p.hidden
     if generator is None:
         return torch.empty((p.tokens, width), dtype=dtype, device=device)[:, : p.hidden]
     wide = torch.full((p.tokens, width), float("nan"), dtype=dtype)
     wide[:, : p.hidden] = _values(p.tokens, p.hidden, generator, p.special).to(dtype)
+    if edge is not None:
+        write_cast_edge_values(wide[:, : p.hidden], edge.kind, generator, block or (1, p.hidden), p.fmt)
     return wide.to(device)[:, : p.hidden]
+
+
+# The "scaled-subnormal" edge class: each chosen block gets one element at ±Qmax·2^k, so that its
+# scale is exactly 2^k (round_sf too) and its multiplier exactly 2^-k, and the others at ±m·h·2^k,
+# h half the format's subnormal step, 1 <= m < the given bound: their scaled values m·h are the
+# format's subnormals and the ties between them (odd m), which round to nearest even.
+SUBNORMAL_HALF_STEPS = {"e4m3": (2.0**-10, 16), "e2m1": (0.25, 4), "e5m6": (2.0**-21, 128)}
+
+
+def write_cast_edge_values(
+    x: torch.Tensor, kind: str, generator: torch.Generator, block: tuple[int, int], fmt: str
+) -> None:
+    """``registry.write_edge_values`` into the blocks of a cast, plus the cast-only class
+    "scaled-subnormal" (``SUBNORMAL_HALF_STEPS``)."""
+    if kind != "scaled-subnormal":
+        write_edge_values(x, kind, generator, block=block)
+        return
+    half_step, bound = SUBNORMAL_HALF_STEPS[fmt]
+    qmax = PER_TOKEN_CAST_FORMATS[fmt].qmax
+    positions: list[int] = []
+    values: list[torch.Tensor] = []
+    columns = x.shape[1]
+    for rows, cols in edge_units(x.shape[0], columns, block, generator):
+        flat = (torch.arange(x.shape[0])[rows][:, None] * columns + torch.arange(columns)[cols][None, :]).reshape(-1)
+        power = 2.0 ** int(torch.randint(-4, 5, (1,), generator=generator))
+        signs = (torch.randint(0, 2, (flat.numel(),), generator=generator) * 2 - 1).to(torch.float64)
+        steps = torch.randint(1, bound, (flat.numel(),), generator=generator).to(torch.float64)
+        unit = signs * steps * half_step * power
+        unit[torch.randint(0, flat.numel(), (1,), generator=generator)] = signs[0] * qmax * power  # the amax
+        positions += flat.tolist()
+        values.append(unit)
+    write_at(x, positions, values)
 
 
 def _strided_data(q: torch.Tensor, p: QuantParams, device: torch.device, fill: bool) -> torch.Tensor:
@@ -259,6 +311,28 @@ class QuantOp(OpSpec):
     """One of the four per-token quantization operators (``variant`` picks which)."""
 
     family = "quant"
+    # The edge profile: every class, in x (the cast back: in the values its pair is made from), on
+    # four quick cases (both formats and dtypes, four scale layouts, few and many tokens), and for
+    # the given scales also on a case whose scales are too small, so that ±max and the outliers
+    # overflow them.
+    edge_kinds = CAST_EDGE_KINDS
+    edge_base_count = 4
+    edge_base_preferences = (
+        {"fmt": "e4m3", "dtype": "bf16", "flags": "plain", "num_per_channels": 128},
+        {"fmt": "e2m1", "dtype": "fp32", "flags": "packed", "num_per_channels": 32},
+        {"fmt": "e4m3", "dtype": "fp32", "flags": "round+colmajor", "num_per_channels": 64},
+        {"fmt": "e2m1", "dtype": "bf16", "flags": "round", "num_per_channels": 32, "tokens": 320},
+    )
+
+    def edge_base_ok(self, case: Case) -> bool:
+        p: QuantParams = case.params
+        return p.tokens > 0 and not p.special and not p.sf_shift and not case.benchmark
+
+    def edge_bases(self, quick: list[Case]) -> list[Case]:
+        bases = super().edge_bases(quick)
+        if self.variant == "precomputed_sf":
+            bases += [case for case in quick if case.params.sf_shift][:1]
+        return bases
 
     def __init__(self, name: str):
         self.name = name
@@ -300,7 +374,7 @@ class QuantOp(OpSpec):
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
         p: QuantParams = case.params
         if self.variant == "cast_back":
-            source = _make_x(p, device, generator)
+            source = _make_x(p, device, generator, case.edge, (1, p.num_per_channels))
             if generator is None:
                 width = p.hidden // p.values_per_byte
                 data = torch.empty((p.tokens, width), dtype=CAST_FORMATS[p.fmt].storage_dtype, device=device)
@@ -309,7 +383,7 @@ class QuantOp(OpSpec):
                 data, sf = reference.per_token_cast(source, p.fmt, p.num_per_channels, **p.flag_kwargs)
             data = _strided_data(data, p, device, fill=generator is not None)
             return Call(((data, sf), p.dtype, p.num_per_channels), context={"source": source})
-        x = _make_x(p, device, generator)
+        x = _make_x(p, device, generator, case.edge, (1, p.num_per_channels))
         args: tuple = (x, p.fmt, p.num_per_channels)
         if self.variant == "precomputed_sf":
             if generator is None:
@@ -359,17 +433,18 @@ class QuantOp(OpSpec):
 
     def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
         p: QuantParams = case.params
+        edge = case.edge is not None
         checks = [self._layout_check(p, outputs)]
         if self.variant == "cast_back":
             bound = ROUND_TRIP_BOUND[p.fmt] + (BF16_OUTPUT_SLACK if p.dtype == "bf16" else 0.0)
-            checks.append(_round_trip_check(call.context["source"], outputs[0], p, bound))
+            checks.append(_round_trip_check(call.context["source"], outputs[0], p, bound, edge))
             return checks
         x = call.args[0]
         flags = p.flag_kwargs
         if self.variant == "cast":
             q, sf = outputs
             restored = reference.cast_back((q, sf), "fp32", (1, p.num_per_channels))
-            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt], edge))
         elif self.variant == "sf_only":
             _, expected = reference.per_token_cast(x, p.fmt, p.num_per_channels, **flags)
             check = compare("sf_only ≡ per_token_cast's sf", outputs[0], expected, Bitwise(nan_equal=True))
@@ -382,12 +457,12 @@ class QuantOp(OpSpec):
                 scales = reference.scales_from_layout(sf, p.kblocks).repeat_interleave(p.num_per_channels, dim=1)
                 limit = scales[:, : p.hidden] * CAST_FORMATS[p.fmt].qmax
                 clamped = torch.maximum(torch.minimum(x.float(), limit), -limit)
-                checks.append(_round_trip_check(clamped, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+                checks.append(_round_trip_check(clamped, restored, p, ROUND_TRIP_BOUND[p.fmt], edge))
                 saturated = bool((x.float().abs() > limit).any())
                 detail = "" if saturated else "no element exceeds Qmax·sf: the case does not test saturation"
                 checks.append(Check("saturation acts", PASS if saturated else FAIL, "some |x/sf| > Qmax", "", detail))
                 return checks
-            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt]))
+            checks.append(_round_trip_check(x, restored, p, ROUND_TRIP_BOUND[p.fmt], edge))
             if p.power_of_two_scales:
                 # With power-of-two scales both multipliers are the exact 1/sf: same bytes, except
                 # in rows with NaN (a packed UE8M0 NaN scale reads back as +Inf, by design).
@@ -423,8 +498,21 @@ class QuantOp(OpSpec):
         return Check("reference layout", PASS, "documented layout", "ok")
 
 
-def _round_trip_check(x: torch.Tensor, restored: torch.Tensor, p: QuantParams, bound: float) -> Check:
-    """max over blocks of max |x - restored| / amax(block), in float64, over rows of finite x."""
+def edge_floor(case: Case, fmt: str) -> float | None:
+    """For an edge case, the amax floor of ``fmt`` (its block round trips measure errors relative to
+    the clamped amax, see ``_round_trip_check``); None for the other cases."""
+    return PER_TOKEN_CAST_FORMATS[fmt].amax_floor if case.edge is not None else None
+
+
+def _round_trip_check(
+    x: torch.Tensor, restored: torch.Tensor, p: QuantParams, bound: float, edge: bool = False
+) -> Check:
+    """max over blocks of max |x - restored| / amax(block), in float64, over rows of finite x.
+
+    With ``edge`` (an edge case): amax clamped at the format's floor, since a block below it (zeros,
+    subnormals) is scaled by the floor and quantized relative to it; and rows whose dequantized
+    values overflowed left out (an fp32 max quantizes to ±Qmax, and Qmax·sf can round above fp32's
+    range: docs/numerics.md)."""
     name = "reference round trip"
     policy = f"block rel ≤ {bound:.4g}"
     tokens, hidden = x.shape
@@ -436,8 +524,11 @@ def _round_trip_check(x: torch.Tensor, restored: torch.Tensor, p: QuantParams, b
     error = (torch.nn.functional.pad(restored.to(torch.float64), (0, padding)) - source).abs()
     amax = source.abs().reshape(tokens, p.kblocks, C).amax(-1)
     worst_error = error.reshape(tokens, p.kblocks, C).amax(-1)
-    relative = worst_error / amax
     finite_rows = torch.isfinite(source).all(dim=1)
+    if edge:
+        amax = torch.clamp(amax, min=PER_TOKEN_CAST_FORMATS[p.fmt].amax_floor)
+        finite_rows &= torch.isfinite(restored).all(dim=1)
+    relative = torch.where(worst_error == 0, torch.zeros_like(amax), worst_error / amax)
     relative = relative[finite_rows]
     worst = float(relative.max().item()) if relative.numel() else 0.0
     if not worst <= bound:
@@ -510,7 +601,8 @@ class E5M6CastOp(QuantOp):
         p: QuantParams = case.params
         q, sf = outputs
         restored = reference.cast_back((q, sf), "fp32", (1, p.hidden), x_special_fmt="e5m6")
-        return [self._layout_check(p, outputs), _round_trip_check(call.args[0], restored, p, ROUND_TRIP_BOUND["e5m6"])]
+        round_trip = _round_trip_check(call.args[0], restored, p, ROUND_TRIP_BOUND["e5m6"], case.edge is not None)
+        return [self._layout_check(p, outputs), round_trip]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,6 +695,13 @@ class CastBackOp(OpSpec):
     """``cast_back(x, fmt, x_block_size, x_special_fmt)`` for 2-D, per-channel and e5m6 pairs."""
 
     family = "quant"
+    edge_kinds = CAST_EDGE_KINDS  # in the values the pair is made from, block by block
+    edge_base_count = 3
+    edge_base_preferences = ({"fmt": "e4m3", "dtype": "bf16"}, {"fmt": "e2m1", "flags": "packed"}, {"fmt": "e5m6"})
+
+    def edge_base_ok(self, case: Case) -> bool:
+        p: CastBackParams = case.params
+        return p.tokens > 0 and not p.special and not case.benchmark
 
     def __init__(self):
         self.name = CAST_BACK_OP
@@ -632,7 +731,7 @@ class CastBackOp(OpSpec):
 
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
         p: CastBackParams = case.params
-        source = _make_x(p, device, generator)
+        source = _make_x(p, device, generator, case.edge, p.block)
         if generator is None:
             width = int(p.hidden // p.values_per_byte)
             spec = PER_TOKEN_CAST_FORMATS[p.fmt]
@@ -679,7 +778,8 @@ class CastBackOp(OpSpec):
         else:
             layout = Check("reference layout", PASS, "documented layout", "ok")
         source = call.context["source"].to(torch.float32)
-        return [layout, block_round_trip_check(source, out, p.block, ROUND_TRIP_BOUND[p.fmt])]
+        bound = ROUND_TRIP_BOUND[p.fmt]
+        return [layout, block_round_trip_check(source, out, p.block, bound, edge_floor(case, p.fmt))]
 
 
 OPS = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_precomputed_sf", "per_token_cast_back")

@@ -55,9 +55,20 @@ from tileproof.reference import quant_blocks as reference
 from tileproof.reference.contract import CAST_FORMATS, ScaleLayout, ceil_div
 
 from .policy import FAIL, PASS, Bitwise, Check, compare, structure_mismatch
-from .quant import BF16_OUTPUT_SLACK, DTYPES, FLAGS, FORMATS, PADDING_BYTE, ROUND_TRIP_BOUND, WHY_Q, WHY_SF
+from .quant import (
+    BF16_OUTPUT_SLACK,
+    DTYPES,
+    FLAGS,
+    FORMATS,
+    PADDING_BYTE,
+    ROUND_TRIP_BOUND,
+    WHY_Q,
+    WHY_SF,
+    edge_floor,
+    write_cast_edge_values,
+)
 from .quant import _values as random_rows
-from .registry import Call, Case, OpSpec, Output, register
+from .registry import CAST_EDGE_KINDS, Call, Case, Edge, OpSpec, Output, register
 
 OPS = (
     "per_block_cast",
@@ -323,8 +334,17 @@ def _lossless_rows(tokens: int, hidden: int, generator: torch.Generator) -> torc
     return values
 
 
-def _plain_x(p: BlockParams, device: torch.device, generator: torch.Generator | None, *, lossless=False):
-    """x ``[T, H]`` of ``p.dtype`` with row stride ``p.row_stride``; padding between rows is NaN."""
+def _plain_x(
+    p: BlockParams,
+    device: torch.device,
+    generator: torch.Generator | None,
+    *,
+    lossless=False,
+    edge: Edge | None = None,
+    edge_block: tuple[int, int] | None = None,
+):
+    """x ``[T, H]`` of ``p.dtype`` with row stride ``p.row_stride``; padding between rows is NaN. An
+    edge case's values go into the ``edge_block`` tiles (default ``p.block``: the cast's blocks)."""
     dtype = DTYPES[p.dtype]
     width = p.row_stride or p.hidden
     if generator is None:
@@ -335,6 +355,8 @@ def _plain_x(p: BlockParams, device: torch.device, generator: torch.Generator | 
         values = random_rows(p.tokens, p.hidden, generator, p.special)
     wide = torch.full((p.tokens, width), float("nan"), dtype=dtype)
     wide[:, : p.hidden] = values.to(dtype)
+    if edge is not None:
+        write_cast_edge_values(wide[:, : p.hidden], edge.kind, generator, edge_block or p.block, p.fmt)
     return wide.to(device)[:, : p.hidden]
 
 
@@ -349,12 +371,15 @@ def _strided(data: torch.Tensor, width: int, fill: bool) -> torch.Tensor:
     return wide[:, : data.shape[1]]
 
 
-def _quantized_x(p: BlockParams, device: torch.device, generator: torch.Generator | None, *, lossless=False):
-    """The quantized input ``(data, sf)`` named by ``p.source`` and its block, made from random rows."""
+def _quantized_x(
+    p: BlockParams, device: torch.device, generator: torch.Generator | None, *, lossless=False, edge: Edge | None = None
+):
+    """The quantized input ``(data, sf)`` named by ``p.source`` and its block, made from random rows
+    (an edge case's values in the blocks of the output cast, ``p.block``)."""
     fmt, block, flags = SOURCES[p.source]
     spec = CAST_FORMATS[fmt]
     plain = BlockParams(fmt, block, p.dtype, "plain", p.tokens, p.hidden)
-    x = _plain_x(plain, device, generator, lossless=lossless)
+    x = _plain_x(plain, device, generator, lossless=lossless, edge=edge, edge_block=p.block)
     if generator is None:
         layout = ScaleLayout.from_flags(
             flags.get("use_tma_aligned_col_major_sf", False), flags.get("use_packed_ue8m0", False)
@@ -408,6 +433,31 @@ class BlockCastOp(OpSpec):
             "per_block_cast_lossless": (Output("q", Bitwise(), WHY_LOSSLESS), Output("sf", Bitwise(), WHY_LOSSLESS)),
         }.get(name, (q, sf))
 
+    # -- the edge profile: every class, in x (in the values a quantized x is made from), on three
+    # quick cases; not the lossless cast, whose FP4 input takes no edge values (docs/numerics.md) --
+
+    edge_base_count = 3
+    edge_base_preferences = (
+        {"fmt": "e4m3", "dtype": "bf16", "flags": "plain", "source": ""},
+        {"fmt": "e2m1", "dtype": "fp32"},
+        {"fmt": "e4m3", "flags": "round"},
+    )
+
+    @property
+    def edge_kinds(self) -> tuple[str, ...]:
+        return () if self.name == "per_block_cast_lossless" else CAST_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        p: BlockParams = case.params
+        return p.tokens > 0 and p.out_tokens > 0 and not p.special and not p.sf_shift and not case.benchmark
+
+    def edge_bases(self, quick: list[Case]) -> list[Case]:
+        bases = super().edge_bases(quick)
+        if self.name == "per_block_cast_with_precomputed_sf":
+            # Given scales too small: ±max and the outliers overflow them and saturate.
+            bases += [case for case in quick if case.params.sf_shift][:1]
+        return bases
+
     # -- cases --
 
     def label(self, p: BlockParams) -> str:
@@ -435,10 +485,10 @@ class BlockCastOp(OpSpec):
         lossless = self.name == "per_block_cast_lossless"
         # "source": the values the cast quantizes (a quantized x dequantized), for the round trip.
         if p.source:
-            x, x_block = _quantized_x(p, device, generator, lossless=lossless)
+            x, x_block = _quantized_x(p, device, generator, lossless=lossless, edge=case.edge)
             source = reference_quant.dequantize(x, x_block) if generator is not None else None
         else:
-            x, x_block = _plain_x(p, device, generator), None
+            x, x_block = _plain_x(p, device, generator, edge=case.edge), None
             source = x.to(torch.float32) if generator is not None else None
         context = {"source": source}
         kwargs = p.flag_kwargs
@@ -513,6 +563,7 @@ class BlockCastOp(OpSpec):
     def self_check(self, case: Case, call: Call, outputs: tuple[torch.Tensor, ...]) -> list[Check]:
         p: BlockParams = case.params
         checks = [self._layout_check(p, outputs)]
+        floor = edge_floor(case, p.fmt)
         source = call.context["source"]
         x, kwargs = call.args[0], call.kwargs
         if self.name == "per_block_cast_lossless":
@@ -537,7 +588,7 @@ class BlockCastOp(OpSpec):
                 saturated = (source.abs() > limit).sum().item()
                 checks.append(Check("saturation acts", PASS if saturated else FAIL, "premise", f"{saturated} elements"))
                 source = torch.clamp(source, -limit, limit)
-            checks.append(_round_trip_check(source, restored, p.block, ROUND_TRIP_BOUND[p.fmt]))
+            checks.append(_round_trip_check(source, restored, p.block, ROUND_TRIP_BOUND[p.fmt], floor))
             if p.round_sf and not p.sf_shift and bool(torch.isfinite(source).all()):
                 # With power-of-two scales the multipliers are the exact 1/sf: the cast's own bytes.
                 expected, _ = reference.per_block_cast(x, p.fmt, p.block, **kwargs)
@@ -558,7 +609,7 @@ class BlockCastOp(OpSpec):
             )
             source = rows
         restored = reference_quant.cast_back((q.contiguous(), sf), "fp32", p.block)
-        checks.append(_round_trip_check(source, restored, p.block, ROUND_TRIP_BOUND[p.fmt]))
+        checks.append(_round_trip_check(source, restored, p.block, ROUND_TRIP_BOUND[p.fmt], floor))
         return checks
 
     def _layout_check(self, p: BlockParams, outputs: tuple[torch.Tensor, ...]) -> Check:
@@ -609,8 +660,15 @@ def _gathered(values: torch.Tensor, pos_to_token: torch.Tensor | None) -> torch.
     return torch.stack(rows) if rows else values.new_zeros((0, values.shape[1]))
 
 
-def _round_trip_check(source: torch.Tensor, restored: torch.Tensor, block, bound: float) -> Check:
-    """max over blocks of max |source - restored| / amax(block), in float64, over finite blocks."""
+def _round_trip_check(
+    source: torch.Tensor, restored: torch.Tensor, block, bound: float, edge_floor: float | None = None
+) -> Check:
+    """max over blocks of max |source - restored| / amax(block), in float64, over finite blocks.
+
+    With ``edge_floor`` (an edge case: the format's amax floor), amax is clamped at it, since a
+    block below it (zeros, subnormals) is scaled by the floor and quantized relative to it, and
+    blocks whose dequantized values overflowed are left out (an fp32 max quantizes to ±Qmax, and
+    Qmax·sf can round above fp32's range: docs/numerics.md)."""
     name = "reference round trip"
     if restored.dtype == torch.bfloat16:
         bound += BF16_OUTPUT_SLACK
@@ -628,8 +686,12 @@ def _round_trip_check(source: torch.Tensor, restored: torch.Tensor, block, bound
         return rearrange(t, "(r i) (k j) -> r k (i j)", i=bm, j=bk)
 
     amax, worst_error = blocks(exact.abs()).amax(-1), blocks(error).amax(-1)
+    finite = torch.isfinite(blocks(exact)).all(-1)
+    if edge_floor is not None:
+        amax = torch.clamp(amax, min=edge_floor)
+        finite &= torch.isfinite(blocks(torch.nn.functional.pad(restored.to(torch.float64), padding))).all(-1)
     relative = torch.where(worst_error == 0, torch.zeros_like(amax), worst_error / amax)
-    relative = relative[torch.isfinite(blocks(exact)).all(-1)]
+    relative = relative[finite]
     worst = float(relative.max().item()) if relative.numel() else 0.0
     if not worst <= bound:
         return Check(name, FAIL, policy, f"{worst:.4g}", f"a block's relative error {worst:.4g} > {bound:.4g}")

@@ -28,7 +28,7 @@ from tileproof.reference import transpose as reference
 
 from .moe import optimized_twin
 from .policy import FAIL, PASS, Bitwise, Check, structure_mismatch
-from .registry import Call, Case, OpSpec, Output, register
+from .registry import FLOAT_EDGE_KINDS, Call, Case, OpSpec, Output, register, write_edge_values
 
 DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -189,8 +189,26 @@ class TransposeOp(OpSpec):
                 cases.append(Case(self.name, self.label(p), p, benchmark=True, title=title))
         return cases
 
+    # The edge profile: the floating-point dtypes' classes written over the random bits (which hold
+    # every class already, scattered: here whole rows of zeros and subnormals, a max, an outlier, a
+    # NaN, infinities where the dtype has them), on four quick cases.
+    edge_base_count = 4
+    edge_kinds = FLOAT_EDGE_KINDS
+
+    def edge_base_ok(self, case: Case) -> bool:
+        p: TransposeParams = case.params
+        return DTYPES[p.dtype].is_floating_point and 0 not in p.shape and not case.benchmark
+
+    def edge_kinds_of(self, case: Case) -> tuple[str, ...]:
+        if case.params.dtype == "e4m3":  # float8_e4m3fn has no infinity
+            return tuple(kind for kind in self.edge_kinds if kind != "inf")
+        return self.edge_kinds
+
     def build(self, case: Case, device: torch.device, generator: torch.Generator | None) -> Call:
-        return Call((_input(case.params, device, generator),))
+        x = _input(case.params, device, generator)
+        if case.edge is not None and generator is not None:
+            write_edge_values(x, case.edge.kind, generator)
+        return Call((x,))
 
     def reference(self) -> Callable:
         return getattr(reference, self.name)
