@@ -425,9 +425,10 @@ def gate_fwd_kernel(streams: int, vector: int, threads: int, columns_per_thread:
                 dot = sums[2 * streams + m]
                 score = dot * rstd_x * rstd_k * scale
                 root = T.sqrt(T.max(T.abs(score), clamp_value))
-                # sign(0) = 0: s == 0 gives σ(0) = ½ exactly.
+                # sign(±0) = ±0: s == 0 gives σ(0) = ½ exactly. A NaN s stays NaN (as torch.sign's),
+                # so the gate is NaN, never a silent ½ (the root's fmaxf would drop the NaN).
                 signed_root = T.if_then_else(
-                    score > T.float32(0), root, T.if_then_else(score < T.float32(0), -root, T.float32(0))
+                    score > T.float32(0), root, T.if_then_else(score < T.float32(0), -root, score)
                 )
                 gates[m] = T.ieee_fdiv(T.float32(1), T.float32(1) + T.exp(-signed_root))
                 if save != 0 and tx == 0:
