@@ -73,6 +73,52 @@ def test_batched_device_compile_names_the_kernel_that_fails(tmp_path):
     assert again.compile(workers=1) == {}
 
 
+def _exchange_kernel_factory(name: str, dtype: str):
+    """A kernel with one dynamic shared-memory array named ``exchange`` of ``dtype`` elements."""
+    import tilelang.language as T
+
+    from tileproof.optimized.jit import jit
+
+    def exchange_kernel():
+        n = T.dynamic("n")
+
+        @T.prim_func
+        def kernel(source: T.Tensor((n,), dtype), target: T.Tensor((n,), dtype)):
+            with T.Kernel(T.ceildiv(n, 128), threads=128) as (block,):
+                exchange = T.alloc_shared((128,), dtype)
+                tx = T.get_thread_binding()
+                if block * 128 + tx < n:
+                    exchange[tx] = source[block * 128 + tx]
+                T.sync_threads()
+                if block * 128 + tx < n:
+                    target[block * 128 + tx] = exchange[127 - tx]
+
+        return kernel
+
+    exchange_kernel.__qualname__ = name
+    return jit()(exchange_kernel)
+
+
+@pytest.mark.compile
+def test_kernels_with_same_named_shared_arrays_compile_in_one_nvcc_call(tmp_path, monkeypatch):
+    """A dynamic shared-memory array declared in an ``extern "C"`` kernel is one entity across the
+    namespaces of a file: two kernels' ``exchange`` arrays of different element types would fail
+    their batch, which would then be compiled kernel by kernel (an nvcc call each)."""
+    from tileproof.optimized import jit
+
+    calls = []
+    compile_error = jit._device_compile_error
+    monkeypatch.setattr(jit, "_device_compile_error", lambda code: calls.append(code) or compile_error(code))
+    words = _exchange_kernel_factory("int_exchange", "int32")
+    floats = _exchange_kernel_factory("float_exchange", "float32")
+    with jit.batched_device_compile(tmp_path) as batch, jit.compile_only():
+        batch.run("int", lambda: words())
+        batch.run("float", lambda: floats())
+    assert all("extern __shared__" in source for source in batch._sources.values())
+    assert batch.compile(workers=1) == {}
+    assert len(calls) == 1  # one nvcc call for both: the batch did not fail
+
+
 @pytest.mark.compile
 def test_lowering_processes_report_every_case_and_build_the_kernels(tmp_path, monkeypatch):
     """Without a GPU the first wave of a compile pass is lowered in worker processes (TileLang holds
