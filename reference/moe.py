@@ -8,8 +8,9 @@ Conventions (shared by every operator of the family):
 
 - Ranking is a **stable descending sort**: a larger score ranks first and, among equal scores,
   the smaller index ranks first. ``-0.0`` and ``+0.0`` are equal (a tie). ``-inf`` is an ordinary
-  value (ties among ``-inf`` go to the smaller index, like any tie). A NaN ranks above every number
-  (the order of ``torch.sort``), NaNs among themselves by index.
+  value (ties among ``-inf`` go to the smaller index, like any tie). A NaN ranks above every number,
+  NaNs among themselves by index (stated explicitly below: ``torch.sort`` places NaN differently
+  on the CPU and on CUDA for descending sorts, so the reference does not lean on it).
 - Index tensors are ``int32`` or ``int64`` and 2-D ``[T, k]``; results keep the input's dtype
   unless the contract fixes it (``topk_gate`` and ``topk_sum_and_topk_group_idx`` return int64,
   ``group_count`` int32, ``aux_fi`` fp32).
@@ -23,6 +24,8 @@ Conventions (shared by every operator of the family):
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from einops import rearrange
@@ -88,10 +91,22 @@ def _check_index_values(name: str, indices: torch.Tensor, *, low: int | None, hi
 # ---------------------------------------------------------------------------------------------
 
 
+def _descending_order(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's stable descending order along the last dimension, int64: larger first, ties by
+    index, every NaN before every number (NaNs by index).
+
+    Two stable sorts: first by value with NaN read as ``+inf`` (so NaNs sit with the ``+inf``
+    entries, in index order), then by "is NaN", which lifts the NaNs to the front and keeps every
+    other relative order."""
+    is_nan = torch.isnan(scores)
+    by_value = torch.sort(scores.masked_fill(is_nan, math.inf), dim=-1, descending=True, stable=True).indices
+    nan_first = torch.sort(is_nan.gather(-1, by_value).to(torch.uint8), dim=-1, descending=True, stable=True).indices
+    return by_value.gather(-1, nan_first)
+
+
 def _stable_topk(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     """The first ``num_topk`` positions of each row's stable descending order, int64, contiguous."""
-    _, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return order[..., :num_topk].contiguous()
+    return _descending_order(scores)[..., :num_topk].contiguous()
 
 
 def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
@@ -130,7 +145,7 @@ def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_top
     check_int("num_topk_sum", num_topk_sum, low=1, high=scores.shape[2])
     check_choice("num_topk_sum", num_topk_sum, NUM_TOPK_SUM_CHOICES)
     check_int("num_topk_groups", num_topk_groups, low=1, high=scores.shape[1])
-    best_in_group, _ = torch.sort(scores, dim=-1, descending=True, stable=True)
+    best_in_group = scores.gather(-1, _descending_order(scores))
     group_scores = best_in_group[..., 0]
     if num_topk_sum == 2:
         group_scores = group_scores + best_in_group[..., 1]
