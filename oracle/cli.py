@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from . import runner
+from . import runner, sanitize
 from .registry import PROFILES, Case, all_ops, select_cases
 from .timing import copy_roof_gbps
 
@@ -216,6 +216,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     precompile.add_argument(
         "-j", "--jobs", type=_positive_int, metavar="N", help="compile threads (default: CPUs, at most 16)"
     )
+    sanitize.add_parser(commands)
     return parser, oracle, mutate
 
 
@@ -310,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _mutate(args, mutate_parser)
     if args.command == "precompile":
         return _precompile(args)
+    if args.command == "sanitize":
+        return sanitize.main_from_args(args)
     try:
         cases = select(args)
         copy_roof_gbps()  # a malformed TILEPROOF_COPY_ROOF_GBPS is a usage error, found before the run
