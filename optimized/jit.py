@@ -95,6 +95,13 @@ def kernel_first_calls() -> dict[str, float]:
     return names
 
 
+# Every kernel takes its tensors as flat spans bound to int32 ``T.dynamic`` sizes and indexes them
+# with int32 element offsets (64-bit offsets cost registers and address arithmetic in every kernel).
+# A tensor with more elements would make TileLang's host stub truncate its size to 32 bits and the
+# kernel read or write the wrong memory: it is refused before the launch instead.
+MAX_KERNEL_TENSOR_ELEMENTS = 2**31 - 1
+
+
 class DirectLaunch:
     """A compiled kernel, called straight through its TVM FFI function.
 
@@ -103,7 +110,11 @@ class DirectLaunch:
     launchers pass every output), so the adapter has nothing to add and the call goes to the
     executable it would reach. The executable's own argument checks (count, ndim, dtype, shapes)
     still run. Anything else (attributes, kernels that do allocate outputs, a TileLang without
-    this adapter) goes through the kernel object unchanged."""
+    this adapter) goes through the kernel object unchanged.
+
+    Every launch passes through here, so this is where the 32-bit size limit is enforced: a tensor
+    argument with more than ``MAX_KERNEL_TENSOR_ELEMENTS`` elements raises ``ValueError`` naming
+    the kernel's parameter, before anything runs."""
 
     __slots__ = ("kernel", "_call")
 
@@ -112,6 +123,9 @@ class DirectLaunch:
         self._call = None  # found at the first launch: loading the executable needs a GPU
 
     def __call__(self, *args):
+        for position, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor) and arg.numel() > MAX_KERNEL_TENSOR_ELEMENTS:
+                raise ValueError(self._too_large_message(position, arg))
         call = self._call
         if call is None:
             adapter = getattr(self.kernel, "adapter", None)
@@ -122,6 +136,20 @@ class DirectLaunch:
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
+
+    def _too_large_message(self, position: int, tensor: torch.Tensor) -> str:
+        name = f"argument {position}"
+        try:
+            program = self.kernel.prim_func
+            parameter = program.params[position]
+            name = program.buffer_map[parameter].name if parameter in program.buffer_map else parameter.name
+        except (AttributeError, IndexError, KeyError, TypeError):
+            pass
+        return (
+            f"{name} spans {tensor.numel()} elements as the kernel reads it; tileproof's kernels index "
+            f"with 32-bit offsets, so each tensor they read or write may span at most {MAX_KERNEL_TENSOR_ELEMENTS} "
+            "(2**31 - 1) elements: split the call (e.g. over tokens)"
+        )
 
 
 class KernelFactory:
