@@ -196,37 +196,25 @@ def _compare_relative(name: str, actual: torch.Tensor, expected, policy: Relativ
         return Check(name, PASS, policy.short(), "empty")
     a = actual.to(device=expected.device, dtype=torch.float64)
     e = expected.to(torch.float64)
-    finite = torch.isfinite(e)
-    # Where the reference is not finite the output must be the same non-finite value.
-    same_nonfinite = (torch.isnan(e) & torch.isnan(a)) | (a == e)
-    bad = (~finite & ~same_nonfinite) | (finite & ~torch.isfinite(a))
-    denominator = torch.clamp(e.abs(), min=policy.atol) if policy.atol > 0 else e.abs()
-    if scale is not None:
-        denominator = torch.maximum(denominator, scale.to(device=e.device, dtype=torch.float64))
-    error = (a - e).abs()
-    # 0/0 (both exactly zero) is no error; x/0 with x > 0 is an infinite relative error.
-    relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
-    relative = torch.where(finite & torch.isfinite(a), relative, torch.zeros_like(relative))
-    worst = float(relative.max().item())
-    bad_count = int(bad.sum().item())
-    metric = f"{worst:.3g}"
-    if bad_count:
-        first = _unravel(int(bad.reshape(-1).nonzero()[0].item()), tuple(e.shape))
-        detail = (
-            f"{bad_count} non-finite mismatches; first at {list(first)}: reference {e[first].item()!r}, "
-            f"got {a[first].item()!r}"
-        )
-        return Check(name, FAIL, policy.short(), metric, detail)
-    if not worst <= policy.bound:
-        first = _unravel(int(relative.reshape(-1).argmax().item()), tuple(e.shape))
-        detail = (
-            f"relative error {worst:.3g} > {policy.bound:g}; worst at {list(first)}: reference "
-            f"{e[first].item()!r}, got {a[first].item()!r}"
-        )
-        if scale is not None:
-            detail += f", error scale {float(scale[first]):.6g}"
-        return Check(name, FAIL, policy.short(), metric, detail)
-    return Check(name, PASS, policy.short(), metric)
+    floor = None if scale is None else scale.to(device=e.device, dtype=torch.float64)
+    compared = torch.isfinite(e) & torch.isfinite(a)
+    errors = torch.where(compared, _relative_error(a, e, policy, floor), torch.zeros_like(e))
+    worst = float(errors.max().item())
+
+    def worst_detail(first):
+        detail = f"reference {e[first].item()!r}, got {a[first].item()!r}"
+        return detail + (f", error scale {float(scale[first]):.6g}" if scale is not None else "")
+
+    return _verdict(
+        name,
+        policy,
+        f"{worst:.3g}",
+        _nonfinite_mismatches(a, e),
+        errors,
+        worst,
+        mismatch_detail=lambda first: f"reference {e[first].item()!r}, got {a[first].item()!r}",
+        worst_detail=worst_detail,
+    )
 
 
 def _compare_relative_on_edges(
@@ -244,42 +232,73 @@ def _compare_relative_on_edges(
     e = exact.to(torch.float64)
     a = actual.to(device=e.device, dtype=torch.float64)
     n = native.to(device=e.device, dtype=torch.float64)
-    native_finite = torch.isfinite(n)
-    same_nonfinite = (torch.isnan(n) & torch.isnan(a)) | (a == n)
-    bad = (~native_finite & ~same_nonfinite) | (native_finite & ~torch.isfinite(a))
     floor = None if scale is None else scale.to(device=e.device, dtype=torch.float64)
-
-    def relative_to(reference: torch.Tensor) -> torch.Tensor:
-        """|a - reference| / max(|reference|, atol, scale); +Inf where either is not finite."""
-        denominator = torch.clamp(reference.abs(), min=policy.atol) if policy.atol > 0 else reference.abs()
-        if floor is not None:
-            denominator = torch.maximum(denominator, floor)
-        error = (a - reference).abs()
-        relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
-        usable = torch.isfinite(reference) & torch.isfinite(a)
-        return torch.where(usable, relative, torch.full_like(relative, float("inf")))
-
-    to_float64, to_native = relative_to(e), relative_to(n)
-    compared = native_finite & torch.isfinite(a)
+    to_float64, to_native = _relative_error(a, e, policy, floor), _relative_error(a, n, policy, floor)
+    compared = torch.isfinite(n) & torch.isfinite(a)
     errors = torch.where(compared, torch.minimum(to_float64, to_native), torch.zeros_like(e))
     by_fp32 = int((compared & ~(to_float64 <= policy.bound) & (to_native <= policy.bound)).sum().item())
     worst = float(errors.max().item())
-    metric = f"{worst:.3g}" + (f"; {by_fp32} by fp32" if by_fp32 else "")
-    bad_count = int(bad.sum().item())
-    if bad_count:
-        first = _unravel(int(bad.reshape(-1).nonzero()[0].item()), tuple(e.shape))
-        detail = (
-            f"{bad_count} non-finite mismatches with the native reference; first at {list(first)}: reference "
-            f"{n[first].item()!r}, got {a[first].item()!r}"
-        )
-        return Check(name, FAIL, policy.short(), metric, detail)
+    return _verdict(
+        name,
+        policy,
+        f"{worst:.3g}" + (f"; {by_fp32} by fp32" if by_fp32 else ""),
+        _nonfinite_mismatches(a, n),
+        errors,
+        worst,
+        mismatch_detail=lambda first: f"reference {n[first].item()!r}, got {a[first].item()!r}",
+        worst_detail=lambda first: f"float64 {e[first].item()!r}, native {n[first].item()!r}, got {a[first].item()!r}",
+        mismatches_against=" with the native reference",
+        bound_against=" from both references",
+    )
+
+
+def _nonfinite_mismatches(actual: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Where the reference is not finite the output must be the same non-finite value (any NaN for
+    a NaN); where it is finite, so must the output be."""
+    finite = torch.isfinite(reference)
+    same_nonfinite = (torch.isnan(reference) & torch.isnan(actual)) | (actual == reference)
+    return (~finite & ~same_nonfinite) | (finite & ~torch.isfinite(actual))
+
+
+def _relative_error(
+    actual: torch.Tensor, reference: torch.Tensor, policy: RelativeError, floor: torch.Tensor | None
+) -> torch.Tensor:
+    """``|actual - reference| / max(|reference|, atol, floor)``; 0 where they are equal (0/0 is no
+    error, x/0 with x > 0 an infinite one); +Inf where either is not finite."""
+    denominator = torch.clamp(reference.abs(), min=policy.atol) if policy.atol > 0 else reference.abs()
+    if floor is not None:
+        denominator = torch.maximum(denominator, floor)
+    error = (actual - reference).abs()
+    relative = torch.where(error == 0, torch.zeros_like(error), error / denominator)
+    usable = torch.isfinite(reference) & torch.isfinite(actual)
+    return torch.where(usable, relative, torch.full_like(relative, float("inf")))
+
+
+def _verdict(
+    name: str,
+    policy: RelativeError,
+    metric: str,
+    mismatches: torch.Tensor,
+    errors: torch.Tensor,
+    worst: float,
+    *,
+    mismatch_detail,
+    worst_detail,
+    mismatches_against: str = "",
+    bound_against: str = "",
+) -> Check:
+    """FAIL on any non-finite mismatch (first one shown), then on an error above the bound (the
+    worst shown); else PASS. The details name the values at the shown index."""
+    shape = tuple(errors.shape)
+    mismatch_count = int(mismatches.sum().item())
+    if mismatch_count:
+        first = _unravel(int(mismatches.reshape(-1).nonzero()[0].item()), shape)
+        detail = f"{mismatch_count} non-finite mismatches{mismatches_against}; first at {list(first)}: "
+        return Check(name, FAIL, policy.short(), metric, detail + mismatch_detail(first))
     if not worst <= policy.bound:
-        first = _unravel(int(errors.reshape(-1).argmax().item()), tuple(e.shape))
-        detail = (
-            f"relative error {worst:.3g} > {policy.bound:g} from both references; worst at {list(first)}: float64 "
-            f"{e[first].item()!r}, native {n[first].item()!r}, got {a[first].item()!r}"
-        )
-        return Check(name, FAIL, policy.short(), metric, detail)
+        first = _unravel(int(errors.reshape(-1).argmax().item()), shape)
+        detail = f"relative error {worst:.3g} > {policy.bound:g}{bound_against}; worst at {list(first)}: "
+        return Check(name, FAIL, policy.short(), metric, detail + worst_detail(first))
     return Check(name, PASS, policy.short(), metric)
 
 
