@@ -25,9 +25,7 @@ Kernel design (everything here is memory-bound):
   and no atomics; ``n·D`` fp32 per CTA is too much for registers at D = 7168), in token order.
   The warps' ``dg`` partials go through two alternating slots of the same shared buffer, which
   makes one barrier per token enough. The next token's grad_out and v are prefetched into
-  registers (``load_token_rows``, the forward's per-token loads); opt-in static ``stage`` variants
-  bring the next token's rows into shared memory by ``cp.async`` instead (same arithmetic, same
-  bits).
+  registers (``load_token_rows``, the forward's per-token loads).
 - ``grad_w_reduce``: elementwise over ``[n, D]``, read as one row of ``n·D`` elements when the
   rows are back to back (16-byte vectors at any D, n = 4). A CTA per 32 column vectors; its 8 warps
   sum interleaved eighths of the P partials (4 loads in flight per thread), then warp 0 adds the 8
@@ -62,7 +60,6 @@ WEIGHT_THREADS = 128
 REDUCE_WARPS = 8  # P-slices of grad_w_reduce's CTA
 REDUCE_UNROLL = 4  # partial loads in flight per thread
 GATE_THREADS = 256
-MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory of one CTA (sm_90, sm_100)
 MAX_GATE_THREADS = 512
 
 
@@ -537,31 +534,13 @@ def engram_gate_fwd(
 
 
 @jit()
-def gate_bwd_kernel(
-    streams: int, vector: int, threads: int, columns_per_thread: int, prefetch: bool = True, stage: str = ""
-):
+def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int, prefetch: bool = True):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
     stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.
 
     ``prefetch``: the next token's ``grad_out`` and ``v`` rows (what the row sums read first) are
     loaded while the current token is processed, so a CTA walking its block is not idle for a
-    whole memory latency at each token (typically one CTA per SM: P = the SM count).
-
-    ``stage`` (opt-in, 16-byte vectors only): the next token's rows travel to shared memory by
-    ``cp.async`` while the current token is processed, so a whole token (~100 KB at n 4, D 4096)
-    is in flight without holding registers, which are full with one token and the ``prefetch``
-    rows. ``"xk"`` stages x and k, ``"xkg"`` also grad_out, ``"all"`` also v; ``prefetch`` still
-    applies to the rows not staged. Each thread copies and later reads only its own 16-byte slots
-    (``[row, columns_per_thread, threads, vector]``: consecutive threads adjacent, no bank
-    conflicts), so ``cp.async.wait_group`` is the only wait; the next token's copies are issued
-    after the per-token barrier of the ``dg`` sums, which orders the slots' reads of the current
-    token before they are overwritten. The arithmetic and its order are unchanged: the results are
-    bit for bit those of the default schedule. The stage's shared memory comes out of the L1
-    cache, which holds the ``w`` rows every token reads (64 KB at n 4, D 4096): at D 4096 the
-    64 KB accumulator and ``"xk"`` (64 KB) or ``"xkg"`` (96 KB) leave at least 92 KB of L1, ``"all"``
-    (104 KB) leaves 60 KB (the next carve-out step), less than ``w``."""
-    if stage not in ("", "xk", "xkg", "all"):
-        raise ValueError(f"stage must be '', 'xk', 'xkg' or 'all', got {stage!r}")
+    whole memory latency at each token (typically one CTA per SM: P = the SM count)."""
     warps = threads // 32
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
@@ -570,23 +549,9 @@ def gate_bwd_kernel(
     accumulator_floats = columns_per_thread * streams * threads * vector
     piece = min(vector, 4)
     pieces = vector // piece
-    # The stage: bf16 rows [row, columns_per_thread, threads, vector] of x (n), k (n), grad_out (n)
-    # and v. 16-byte copies only, and only if it fits next to the accumulator (227 KB per CTA on
-    # sm_90: "all" does not at D 7168); otherwise the rows load as in the default schedule.
-    stage_rows = {"": 0, "xk": 2 * streams, "xkg": 3 * streams, "all": 3 * streams + 1}[stage]
-    stage_bytes = stage_rows * columns_per_thread * threads * vector * 2
-    if vector != 8 or 4 * (exchange_floats + accumulator_floats) + stage_bytes > MAX_SHARED_BYTES:
-        stage, stage_rows = "", 0
-    staging = stage != ""
-    stage_go = stage in ("xkg", "all")
-    stage_v = stage == "all"
 
     def accumulator_offset(i, m, h, tx):
         return exchange_floats + (((i * streams + m) * pieces + h) * threads + tx) * piece
-
-    def stage_offset(row, i, tx):
-        """Rows: x (n streams), k (n), grad_out (n), v; one 16-byte vector per thread and column."""
-        return ((row * columns_per_thread + i) * threads + tx) * vector
 
     go_span = T.dynamic("go_span")
     x_span = T.dynamic("x_span")
@@ -599,82 +564,23 @@ def gate_bwd_kernel(
     dw_span = T.dynamic("dw_span")
 
     @T.macro
-    def copy_to_stage(rows, stage_buffer, row, tx, hidden_vectors, streamed: bool):
-        """``cp.async`` of this thread's vectors of ``rows`` (``(tensor, row, stream_stride)``, in
-        vectors) into the stage's rows ``row`` (+ m for each of the n streams when ``streamed``)."""
-        for i in T.unroll(columns_per_thread):
-            column = i * threads + tx
-            if column < hidden_vectors:
-                for m in T.unroll(streams if streamed else 1):
-                    T.ptx_cp_async(
-                        # Access mask 0: this thread's own slots, read back by this thread only
-                        # after its wait (TileLang's barrier planner would otherwise guard the
-                        # buffer with three more CTA barriers per token).
-                        T.tvm_access_ptr(
-                            T.type_annotation("bfloat16"), stage_buffer.data, stage_offset(row + m, i, tx), vector, 0
-                        ),
-                        T.access_ptr(rows[0][(rows[1] + m * rows[2] + column) * vector], "r", vector),
-                        vector,
-                    )
-
-    @T.macro
-    def read_stage(values, stage_buffer, row, streamed: bool):
-        """This thread's slots of the stage's rows ``row`` (+ m) → ``values`` (zeros past the row:
-        the stage's masked slots are zeroed once and never copied to)."""
-        tx = T.get_thread_binding()
-        for i in T.unroll(columns_per_thread):
-            if streamed:
-                for m in T.unroll(streams):
-                    for e in T.vectorized(vector):
-                        values[i, m, e] = stage_buffer[stage_offset(row + m, i, tx) + e]
-            else:
-                for e in T.vectorized(vector):
-                    values[i, e] = stage_buffer[stage_offset(row, i, tx) + e]
-
-    @T.macro
-    def wait_for_stage():
-        """This thread's ``cp.async`` copies have landed (``cp.async.wait_group 0``), through
-        TileLang's header function: its ``T.ptx_wait_group`` would be followed by a CTA barrier,
-        which only a consumer of other threads' copies needs."""
-        T.evaluate(T.call_extern("handle", "tl::cp_async_wait<0>"))
-
-    @T.macro
-    def issue_stage(token, tx, stage_buffer, grad_out, x, k, v, hidden_vectors, strides):
-        """The stage's copies of ``token``'s rows, as one ``cp.async`` group; ``strides``: grad_out's
-        (token, stream), x's, k's, v's token stride (in vectors)."""
-        x_row = T.cast(token, "int64") * strides[2]
-        k_row = T.cast(token, "int64") * strides[4]
-        copy_to_stage((x, x_row, strides[3]), stage_buffer, 0, tx, hidden_vectors, True)
-        copy_to_stage((k, k_row, strides[5]), stage_buffer, streams, tx, hidden_vectors, True)
-        if stage_go:
-            go_row = T.cast(token, "int64") * strides[0]
-            copy_to_stage((grad_out, go_row, strides[1]), stage_buffer, 2 * streams, tx, hidden_vectors, True)
-        if stage_v:
-            v_row = T.cast(token, "int64") * strides[6]
-            copy_to_stage((v, v_row, 0), stage_buffer, 3 * streams, tx, hidden_vectors, False)
-        T.ptx_commit_group()
-
-    @T.macro
     def load_gradient_rows(
         grad_out, v, gos, vs, token, tx, hidden_vectors, go_token_stride, go_stream_stride, v_token_stride
     ):
         """Token ``token``'s ``grad_out`` (n streams) and ``v`` rows → ``gos``, ``vs`` (the
-        forward's per-token loads); only ``v`` when grad_out is staged (never called for ``"all"``)."""
+        forward's per-token loads)."""
         go_row = T.cast(token, "int64") * go_token_stride
         v_row = T.cast(token, "int64") * v_token_stride
-        if stage_go:
-            load_token_rows((), (v, vs, v_row), tx, hidden_vectors, threads, columns_per_thread, streams, vector)
-        else:
-            load_token_rows(
-                ((grad_out, gos, go_row, go_stream_stride),),
-                (v, vs, v_row),
-                tx,
-                hidden_vectors,
-                threads,
-                columns_per_thread,
-                streams,
-                vector,
-            )
+        load_token_rows(
+            ((grad_out, gos, go_row, go_stream_stride),),
+            (v, vs, v_row),
+            tx,
+            hidden_vectors,
+            threads,
+            columns_per_thread,
+            streams,
+            vector,
+        )
 
     @T.prim_func
     def kernel(
@@ -726,7 +632,6 @@ def gate_bwd_kernel(
             dv_values = T.alloc_local((vector,), "float32")
             staged = T.alloc_local((vector,), "float32")
             shared = T.alloc_shared((exchange_floats + accumulator_floats,), "float32")
-            stage_buffer = T.alloc_shared((max(1, stage_rows * columns_per_thread * threads * vector),), "bfloat16")
 
             for i in T.unroll(columns_per_thread):
                 for m in T.unroll(streams):
@@ -734,37 +639,9 @@ def gate_bwd_kernel(
                         for e in T.vectorized(piece):
                             shared[accumulator_offset(i, m, h, tx) + e] = T.float32(0)
 
-            if staging:
-                for i in T.unroll(columns_per_thread):
-                    if i * threads + tx >= hidden_vectors:
-                        for row in T.unroll(stage_rows):
-                            for e in T.vectorized(vector):
-                                stage_buffer[stage_offset(row, i, tx) + e] = T.cast(0, "bfloat16")
-
-            stage_strides = (
-                go_token_stride,
-                go_stream_stride,
-                x_token_stride,
-                x_stream_stride,
-                k_token_stride,
-                k_stream_stride,
-                v_token_stride,
-            )
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
-            if staging and first < last:
-                issue_stage(
-                    first,
-                    tx,
-                    stage_buffer,
-                    grad_out,
-                    x,
-                    k,
-                    v,
-                    hidden_vectors,
-                    stage_strides,
-                )
-            if prefetch and not stage_v and first < last:
+            if prefetch and first < last:
                 load_gradient_rows(
                     grad_out,
                     v,
@@ -780,18 +657,13 @@ def gate_bwd_kernel(
             for token in T.serial(first, last):
                 x_row = T.cast(token, "int64") * x_token_stride
                 k_row = T.cast(token, "int64") * k_token_stride
-                # The rows kept in registers first (their next token's loads go out before the
-                # wait for the stage); "all" stages every row.
-                if stage_v:
-                    pass
-                elif prefetch:
+                if prefetch:
                     for i in T.unroll(columns_per_thread):
                         for e in T.unroll(vector):
                             vs[i, e] = next_vs[i, e]
-                        if not stage_go:
-                            for m in T.unroll(streams):
-                                for e in T.unroll(vector):
-                                    gos[i, m, e] = next_gos[i, m, e]
+                        for m in T.unroll(streams):
+                            for e in T.unroll(vector):
+                                gos[i, m, e] = next_gos[i, m, e]
                     if token + 1 < last:
                         load_gradient_rows(
                             grad_out,
@@ -818,23 +690,14 @@ def gate_bwd_kernel(
                         go_stream_stride,
                         v_token_stride,
                     )
-                if staging:
-                    wait_for_stage()
-                    if stage_go:
-                        read_stage(gos, stage_buffer, 2 * streams, True)
-                    if stage_v:
-                        read_stage(vs, stage_buffer, 3 * streams, False)
-                    read_stage(xs, stage_buffer, 0, True)
-                    read_stage(ks, stage_buffer, streams, True)
-                else:
-                    for i in T.unroll(columns_per_thread):
-                        column = i * threads + tx
-                        if column < hidden_vectors:
-                            for m in T.unroll(streams):
-                                for e in T.vectorized(vector):
-                                    xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
-                                for e in T.vectorized(vector):
-                                    ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                for i in T.unroll(columns_per_thread):
+                    column = i * threads + tx
+                    if column < hidden_vectors:
+                        for m in T.unroll(streams):
+                            for e in T.vectorized(vector):
+                                xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
+                            for e in T.vectorized(vector):
+                                ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
                 for m in T.unroll(streams):
                     gates[m] = gate[token * streams + m]
 
@@ -859,19 +722,6 @@ def gate_bwd_kernel(
                         for e in T.unroll(vector):
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
                 cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
-                # After the barrier: every thread has read its stage slots of this token.
-                if staging and token + 1 < last:
-                    issue_stage(
-                        token + 1,
-                        tx,
-                        stage_buffer,
-                        grad_out,
-                        x,
-                        k,
-                        v,
-                        hidden_vectors,
-                        stage_strides,
-                    )
 
                 for m in T.unroll(streams):
                     dot_value = dot[token * streams + m]
