@@ -533,7 +533,10 @@ def engram_gate_fwd(
 # ---------------------------------------------------------------------------------------------
 
 
-@jit()
+# Z3's own arithmetic solver: with the faster one (jit.FAST_SOLVER) one configuration (n 4, vector
+# 8, 256 threads, 2 columns per thread) loses a proof that a barrier is redundant and gains a
+# __syncthreads(); the bit-vector setting alone changes none of this kernel's code.
+@jit(solver={"smt.bv.solver": "2"})
 def gate_bwd_kernel(streams: int, vector: int, threads: int, columns_per_thread: int, prefetch: bool = True):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
     stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.

@@ -45,6 +45,55 @@ PASS_CONFIGS = {
 }
 
 
+# TileLang's simplifier asks the Z3 SMT solver about every comparison its own rules cannot settle
+# (TVM's Analyzer::CanProve), each query with a fixed budget of solver steps. In our kernels
+# almost none of these is provable: runtime sizes, strides and shift amounts (bit-vector terms
+# once TileLang translates ``>>``, ``&`` and ``<<``) keep the solver searching until the budget
+# runs out, and that search was one to three quarters of a kernel's lowering time (the CI
+# compile test lowers every registered configuration). Z3's integer-blasting bit-vector solver
+# with its older arithmetic solver gives up on the same queries 2-5x sooner: lowering all 261
+# configurations took a third of the CPU time. Every registered configuration but one lowers to
+# byte-identical CUDA with and without these settings (checked when they were introduced), and the
+# factory of that one keeps Z3's arithmetic solver (``jit(solver=...)``). They are Z3 process-wide
+# parameters, read when a solver is created, so ``lowering_solver`` sets them only while one of
+# our kernels lowers.
+FAST_SOLVER = {"smt.arith.solver": "2", "smt.bv.solver": "2"}
+_solver_condition = threading.Condition()
+_solver_users = 0
+_solver_active: dict[str, str] | None = None
+_solver_saved: dict[str, str] = {}
+
+
+@contextmanager
+def lowering_solver(settings: dict[str, str] = FAST_SOLVER) -> Iterator[None]:
+    """Inside, Z3 runs with ``settings``. Lowerings under the same settings overlap; one under
+    other settings waits until they are done. The previous values come back when the last user
+    leaves (TileLang code outside tileproof keeps its own settings)."""
+    global _solver_users, _solver_active
+    import z3  # a TileLang dependency (its simplifier's prover)
+
+    with _solver_condition:
+        while _solver_users and _solver_active != settings:
+            _solver_condition.wait()
+        if not _solver_users:
+            _solver_saved.clear()
+            for name, value in settings.items():
+                _solver_saved[name] = z3.get_param(name)
+                z3.set_param(name, value)
+            _solver_active = dict(settings)
+        _solver_users += 1
+    try:
+        yield
+    finally:
+        with _solver_condition:
+            _solver_users -= 1
+            if not _solver_users:
+                for name, value in _solver_saved.items():
+                    z3.set_param(name, value)
+                _solver_active = None
+                _solver_condition.notify_all()
+
+
 def _arch_of_current_gpu() -> str | None:
     if not torch.cuda.is_available():
         return None
@@ -66,13 +115,14 @@ def compile_target() -> dict:
     return {"kind": "cuda", "arch": arch}
 
 
-def jit(**kwargs):
-    """``tilelang.jit`` with the project's target and pass configuration. The factory it returns
-    compiles (or loads from TileLang's cache) on call, except inside ``batched_device_compile``."""
+def jit(solver: dict[str, str] = FAST_SOLVER, **kwargs):
+    """``tilelang.jit`` with the project's target and pass configuration; its kernels lower with
+    Z3 under ``solver`` (see ``FAST_SOLVER``). The factory it returns compiles (or loads from
+    TileLang's cache) on call, except inside ``batched_device_compile``."""
 
     def decorate(factory):
         compiler = tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)(factory)
-        return KernelFactory(compiler, f"{factory.__module__}.{factory.__qualname__}")
+        return KernelFactory(compiler, f"{factory.__module__}.{factory.__qualname__}", solver)
 
     return decorate
 
@@ -156,8 +206,9 @@ class KernelFactory:
     """A ``tilelang.jit`` kernel factory (its attributes are the wrapped one's) that defers the
     device compile while a ``batched_device_compile`` is active."""
 
-    def __init__(self, compiler, qualified_name: str):
+    def __init__(self, compiler, qualified_name: str, solver: dict[str, str] = FAST_SOLVER):
         self._compiler = compiler
+        self.solver = solver
         # The factory's own module and name: kernel configurations are keyed by it (TileLang's
         # wrapper names every factory "kernel", so two factories with the same static arguments
         # would share a key).
@@ -185,7 +236,8 @@ class KernelFactory:
                 "the same configuration before capturing, or warm the cache with `tileproof precompile`."
             )
         started = time.perf_counter()
-        kernel = self._compiler(*args, **kwargs)
+        with lowering_solver(self.solver):
+            kernel = self._compiler(*args, **kwargs)
         with _first_calls_lock:
             _first_calls.setdefault(key, time.perf_counter() - started)
             launch = self._launches.setdefault(key, DirectLaunch(kernel))
@@ -354,14 +406,15 @@ class DeviceCompileBatch:
             return _UnlaunchableKernel(factory.qualified_name)
         if not known:
             try:
-                program = factory.get_tir(*args, **kwargs)
-                fingerprint = _fingerprint(program)
-                if (self.marker_dir / fingerprint).exists():
-                    source = None
-                else:
-                    target = tilelang.tvm.target.Target(compile_target())
-                    with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
-                        source = tilelang.lower(program, target=target).kernel_source
+                with lowering_solver(factory.solver):
+                    program = factory.get_tir(*args, **kwargs)
+                    fingerprint = _fingerprint(program, factory.solver)
+                    if (self.marker_dir / fingerprint).exists():
+                        source = None
+                    else:
+                        target = tilelang.tvm.target.Target(compile_target())
+                        with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
+                            source = tilelang.lower(program, target=target).kernel_source
             except Exception as error:
                 # Kept per kernel too: another process's cases that need it fail with it after ``absorb``.
                 with self._lock:
@@ -491,15 +544,24 @@ def _device_compile_error(code: str) -> str | None:
     return None
 
 
-def _fingerprint(program) -> str:
+def _fingerprint(program, solver: dict[str, str]) -> str:
     parts = [
         program.script(show_meta=True),
         json.dumps(compile_target(), sort_keys=True),
         repr(sorted((str(k), repr(v)) for k, v in PASS_CONFIGS.items())),
+        repr(sorted(solver.items())),
+        _z3_version(),
         tilelang.__version__,
         _nvcc_version(),
     ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+@cache
+def _z3_version() -> str:
+    import z3
+
+    return z3.get_version_string()
 
 
 @cache

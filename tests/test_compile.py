@@ -202,6 +202,57 @@ def test_sibling_batches_lower_each_kernel_once_and_share_its_outcome(tmp_path, 
     assert all("lowering broke" in error for error in failures.values())
 
 
+def test_kernels_lower_with_their_solver_settings_and_the_previous_settings_come_back():
+    """Z3's parameters are process-wide: a factory's settings hold while its kernel lowers (also
+    when lowerings overlap) and the previous values come back after the last one (TileLang code
+    outside tileproof keeps its own settings)."""
+    import z3
+
+    from tileproof.optimized import jit
+
+    names = sorted(jit.FAST_SOLVER)
+
+    def settings():
+        return {name: z3.get_param(name) for name in names}
+
+    before = settings()
+    assert before != jit.FAST_SOLVER  # Z3's defaults: the test would prove nothing otherwise
+    seen = []
+    factory = jit.KernelFactory(lambda *args: seen.append(settings()) or "kernel", "tests.solver_stand_in")
+    factory(1)
+    assert seen == [jit.FAST_SOLVER] and settings() == before
+    with jit.lowering_solver():
+        with jit.lowering_solver():
+            pass
+        assert settings() == jit.FAST_SOLVER  # another lowering is still under way
+    assert settings() == before
+
+
+def test_a_lowering_under_other_solver_settings_waits_for_the_running_ones():
+    import threading
+
+    import z3
+
+    from tileproof.optimized import jit
+
+    other = {"smt.bv.solver": "2"}
+    other_started, seen = threading.Event(), []
+
+    def other_lowering():
+        other_started.set()
+        with jit.lowering_solver(other):
+            seen.append(z3.get_param("smt.arith.solver"))
+
+    with jit.lowering_solver():
+        waiter = threading.Thread(target=other_lowering)
+        waiter.start()
+        assert other_started.wait(10)
+        waiter.join(0.5)
+        assert waiter.is_alive() and not seen  # it waits: its solvers would get the fast settings
+    waiter.join(10)
+    assert seen == [z3.get_param("smt.arith.solver")] != [jit.FAST_SOLVER["smt.arith.solver"]]
+
+
 def test_first_calls_of_kernel_configurations_are_timed_once():
     from tileproof.optimized import jit
 
