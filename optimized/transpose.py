@@ -33,9 +33,28 @@ elements make one 16-byte *chunk*.
   rows past M are not loaded and their output elements never stored; the chunk straddling N is
   loaded element by element, chunks past it not at all. ``load_bytes`` (16, 8, 4, 2 or 1: the
   alignment of the base address, the row stride and the batch stride) splits every 16-byte load
-  into aligned pieces, ``store_bytes`` (the alignment of an output row, ``M · element_bytes``)
-  every 16-byte store, each piece masked against M. One copy of the load loop and of the store
-  loop per width, behind a branch uniform across the grid: the aligned path stays branch-free.
+  into aligned pieces. ``store_bytes`` is the alignment of an output row (``M · element_bytes``;
+  the output is fresh, its base 16-byte aligned). One copy of the load loop and of the store loop
+  per width, behind a branch uniform across the grid: the aligned path stays branch-free.
+- Misaligned output rows (``store_bytes`` < 16): split into ``store_bytes``-wide pieces, a 16-byte
+  store would become up to 16 one-byte stores, each touching every sector of the warp's rows (the
+  H200 ran such shapes at 7-17 % of the copy roof). Instead the ``tile_m_vectors`` lanes that write
+  one 128-byte row segment (its *group*) write it as aligned 16-byte chunks. The segment starts at
+  ``base``, ``shift = base mod 16`` bytes past an aligned address (the same for every segment of a
+  row: tiles are 16-byte multiples); aligned chunk ``c`` (at ``base - shift + 16 c``) holds the
+  last ``shift`` bytes of logical chunk ``c - 1`` and the first ``16 - shift`` of chunk ``c``. Lane
+  ``c`` receives lane ``c - 1``'s chunk (``__shfl_sync`` within the group, 4 words; rotated, so
+  lane 0 receives the last lane's) and forms aligned chunk ``c`` with a select of whole words
+  (``shift / 4``) and a ``__byte_perm`` per word (``shift mod 4`` bytes). Each lane stores its
+  aligned chunk whole (one 16-byte store), except where it leaves the segment: lane 0's chunk
+  starts before ``base`` (the segment's *head*: its bytes from ``shift`` on), and a chunk may reach
+  past M (only its bytes before M). Lane 0's rotated chunk also holds the segment's *tail*, the
+  last ``shift`` bytes of the last lane's chunk, which lane 0 stores in the aligned chunk after the
+  segment. A partial chunk, bytes ``lo .. hi``, goes out in naturally aligned 1/2/4/8-byte pieces
+  (ascending sizes from ``lo``, then descending to ``hi``; at most 8 pieces, usually 1-3).
+  Lanes whose chunk starts past M still shuffle and store: the lane after the last one inside M
+  writes that lane's last bytes (its own are masked). Needs a group that is a power-of-two part
+  of a warp and whole warps of units (every default schedule); other schedules keep the pieces.
 - Grid: one CTA per (matrix, tile), all on grid x (grid y and z stop at 65535); consecutive CTAs
   take consecutive tiles along M (``m_fastest``) or along N.
 """
@@ -57,6 +76,9 @@ ELEMENT_BYTES = (1, 2, 4, 8, 16)
 INTERLEAVE_LOW_BYTES = 0x5140
 LOW_HALVES = 0x5410
 HIGH_SELECTION_STEP = 0x2222
+# ``IDENTITY_SELECTOR + o * BYTE_SHIFT_STEP`` selects bytes o .. o+3 of ``high_word:low_word`` (o = 0 .. 4).
+IDENTITY_SELECTOR = 0x3210
+BYTE_SHIFT_STEP = 0x1111
 MAX_GRID_X = 2**31 - 1
 MAX_SIDE = 2**31 - 2**16  # M and N: tile indices are int32 (a tile may reach past the last row or column)
 
@@ -133,6 +155,16 @@ def transpose_kernel(
     if threads % 32 or threads > 1024:
         raise ValueError(f"threads must be a multiple of 32 up to 1024, got {threads}")
 
+    # Misaligned output rows (store_bytes < 16) are written as shifted aligned chunks (module
+    # docstring): a lane takes its predecessor's chunk with a warp shuffle within its group of
+    # ``tile_m_vectors`` lanes, so the group must be a power-of-two part of a warp, and every lane of
+    # a warp that reaches the shuffle (``units`` a multiple of 32). Other schedules store narrow pieces.
+    group_fits_warp = tile_m_vectors <= 32 and not tile_m_vectors & (tile_m_vectors - 1)
+    shifted_stores = element_bytes < CHUNK_BYTES and group_fits_warp and units % 32 == 0
+    store_widths = [CHUNK_BYTES] if shifted_stores else piece_widths
+    # Pieces of a partial shifted chunk: no narrower than an element (every boundary is a multiple of one).
+    piece_sizes = [size for size in (1, 2, 4, 8) if size >= element_bytes]
+
     x_span = T.dynamic("x_span", "int64")  # bytes: a tensor may exceed 2 GB
     out_span = T.dynamic("out_span", "int64")
 
@@ -168,6 +200,76 @@ def transpose_kernel(
             if first_row + p * (piece_bytes // element_bytes) < rows:
                 for e in T.vectorized(piece_bytes):
                     out[(first_piece + p) * piece_bytes + e] = chunk[j, p * piece_bytes + e]
+
+    def pair_word(previous, chunk_registers, j, n):
+        """Word ``n`` (0-7) of the 32 bytes ``previous`` (the group predecessor's chunk) : own chunk ``j``."""
+        return previous[n] if n < 4 else chunk_registers[j, n - 4]
+
+    @T.macro
+    def shift_chunk(previous, chunk_registers, j, window, aligned, shift):
+        """``aligned`` ← the 16 bytes that start ``shift`` bytes before own chunk ``j``: the last
+        ``shift`` bytes of ``previous``, then the first ``16 - shift`` bytes of chunk ``j``."""
+        word_shift = shift >> 2  # whole words taken from ``previous``
+        # window[i] = word 3 - word_shift + i of previous : own (runtime index: a select chain).
+        for i in list(range(5)):  # unrolled in Python: the word indices must be Python integers
+            window[i] = T.if_then_else(
+                word_shift == 0,
+                pair_word(previous, chunk_registers, j, 3 + i),
+                T.if_then_else(
+                    word_shift == 1,
+                    pair_word(previous, chunk_registers, j, 2 + i),
+                    T.if_then_else(
+                        word_shift == 2,
+                        pair_word(previous, chunk_registers, j, 1 + i),
+                        pair_word(previous, chunk_registers, j, i),
+                    ),
+                ),
+            )
+        if element_bytes >= 4:
+            for w in T.unroll(4):
+                aligned[w] = window[w + 1]  # shift is a multiple of 4: whole words
+        else:
+            # Bytes 4 - shift % 4 .. 7 - shift % 4 of window[w + 1] : window[w] (shift % 4 = 0: window[w + 1]).
+            selector = IDENTITY_SELECTOR + (4 - (shift & 3)) * BYTE_SHIFT_STEP
+            for w in T.unroll(4):
+                aligned[w] = byte_perm(window[w], window[w + 1], selector)
+
+    @T.macro
+    def store_piece(
+        out, aligned, aligned_bytes, narrow_word, narrow_bytes, chunk_index, position, size: int, fixed: int
+    ):
+        """Bytes ``position .. position + size`` of the register chunk ``aligned`` to the same bytes
+        of the 16-byte output chunk ``chunk_index`` (``position`` a multiple of ``size``). An 8-byte
+        piece sits at the known offset ``fixed`` (8 when ascending from ``lo``, 0 descending to ``hi``)."""
+        if size == 8:
+            for e in T.vectorized(8):
+                out[chunk_index * CHUNK_BYTES + fixed + e] = aligned_bytes[fixed + e]
+        else:
+            word_index = position >> 2
+            word = T.if_then_else(
+                word_index == 0,
+                aligned[0],
+                T.if_then_else(word_index == 1, aligned[1], T.if_then_else(word_index == 2, aligned[2], aligned[3])),
+            )
+            narrow_word[0] = word >> T.cast((position & 3) * 8, "uint32")
+            piece_index = chunk_index * (CHUNK_BYTES // size) + T.cast(position >> (size.bit_length() - 1), "int64")
+            for e in T.vectorized(size):
+                out[piece_index * size + e] = narrow_bytes[e]
+
+    @T.macro
+    def store_range(out, aligned, aligned_bytes, narrow_word, narrow_bytes, chunk_index, lo, hi, position):
+        """Bytes ``lo .. hi`` (0 <= lo < hi <= 16, not 0 .. 16) of ``aligned`` to output chunk
+        ``chunk_index``, in naturally aligned pieces: ascending sizes from ``lo`` while its alignment
+        allows, then descending sizes to ``hi`` (at most one piece of each size each way)."""
+        position[0] = lo
+        for size in piece_sizes:
+            if (position[0] & size) != 0 and position[0] + size <= hi:
+                store_piece(out, aligned, aligned_bytes, narrow_word, narrow_bytes, chunk_index, position[0], size, 8)
+                position[0] = position[0] + size
+        for size in list(reversed(piece_sizes)):
+            if position[0] + size <= hi:
+                store_piece(out, aligned, aligned_bytes, narrow_word, narrow_bytes, chunk_index, position[0], size, 0)
+                position[0] = position[0] + size
 
     @T.macro
     def transpose_unit(block, chunk_registers):
@@ -220,6 +322,20 @@ def transpose_kernel(
             block = T.view(block_bytes, (vector, column_words), "uint32")
             chunk = T.alloc_local((out_rows_per_unit, CHUNK_BYTES), "uint8")
             chunk_registers = T.view(chunk, (out_rows_per_unit, CHUNK_BYTES // 4), "uint32")
+            if shifted_stores:
+                previous = T.alloc_local((4,), "uint32")  # the group predecessor's chunk
+                window = T.alloc_local((5,), "uint32")
+                aligned_bytes = T.alloc_local((CHUNK_BYTES,), "uint8")  # the shifted, aligned chunk
+                aligned = T.view(aligned_bytes, (4,), "uint32")
+                narrow_bytes = T.alloc_local((4,), "uint8")  # one piece narrower than 8 bytes
+                narrow_word = T.view(narrow_bytes, (1,), "uint32")
+                position = T.alloc_local((1,), "int32")  # the next byte to store of a partial chunk
+                # Per output row, computed once (TileLang would repeat the expressions at every use).
+                shift = T.alloc_var("int32")
+                chunk_index = T.alloc_var("int64")
+                lo = T.alloc_var("int32")
+                hi = T.alloc_var("int32")
+                tail = T.alloc_var("int32")
 
             # Computed once into variables: TileLang would repeat each floor division at every use.
             tile_m = T.alloc_var("int32")
@@ -286,7 +402,7 @@ def transpose_kernel(
                                 swizzled(a * vector + i, a, g // pieces_per_chunk) + piece + e
                             ]
                     transpose_unit(block, chunk_registers)
-                    for piece_bytes in piece_widths:
+                    for piece_bytes in store_widths:
                         if store_bytes == piece_bytes:
                             for j in T.unroll(out_rows_per_unit):
                                 if unit_first_col + j < cols:
@@ -299,6 +415,65 @@ def transpose_kernel(
                                         unit_first_row,
                                         rows,
                                         piece_bytes,
+                                    )
+                if shifted_stores:
+                    # Misaligned output rows: every lane of the warp shuffles (lanes past M included:
+                    # a successor may need their predecessor's bytes); stores masked per byte range.
+                    if store_bytes < CHUNK_BYTES and k * threads + tx < units:
+                        # The unit's logical chunk starts ``remaining`` bytes before the end of its output rows.
+                        remaining = out_row_bytes - T.cast(tile_m * tile_m_vectors + a, "int64") * CHUNK_BYTES
+                        for j in T.unroll(out_rows_per_unit):
+                            # Lane a of the group is lane a of its shuffle segment (groups tile the warp).
+                            for w in T.unroll(4):
+                                previous[w] = T.shfl_sync(
+                                    chunk_registers[j, w], (a + tile_m_vectors - 1) % tile_m_vectors, tile_m_vectors
+                                )
+                            if unit_first_col + j < cols:
+                                row_start = (out_matrix_rows + unit_first_col + j) * out_row_bytes
+                                shift = T.cast(row_start & (CHUNK_BYTES - 1), "int32")  # the row's misalignment
+                                # Aligned chunk ``shift`` bytes before the logical one (``chunk_index`` · 16).
+                                chunk_index = (row_start >> 4) + T.cast(tile_m * tile_m_vectors + a, "int64")
+                                shift_chunk(previous, chunk_registers, j, window, aligned, shift)
+                                # Bytes of the aligned chunk inside the row: from the segment's start
+                                # (lane 0: ``shift``), to the row's end (M). ``room``: the row's bytes
+                                # from the aligned chunk on.
+                                room = remaining + T.cast(shift, "int64")
+                                lo = T.if_then_else(a == 0, shift, 0)
+                                hi = T.cast(T.max(T.min(room, CHUNK_BYTES), 0), "int32")
+                                if lo == 0 and hi == CHUNK_BYTES:
+                                    for e in T.vectorized(CHUNK_BYTES):
+                                        out[chunk_index * CHUNK_BYTES + e] = aligned_bytes[e]
+                                elif lo < hi:
+                                    store_range(
+                                        out,
+                                        aligned,
+                                        aligned_bytes,
+                                        narrow_word,
+                                        narrow_bytes,
+                                        chunk_index,
+                                        lo,
+                                        hi,
+                                        position,
+                                    )
+                                # Lane 0 also holds the segment's tail (its predecessor by rotation is
+                                # the group's last lane): bytes 0 .. shift of its aligned chunk, the last
+                                # lane's last ``shift`` bytes, go to the aligned chunk after the segment
+                                # (up to M).
+                                tail = T.cast(
+                                    T.max(T.min(room - tile_m_vectors * CHUNK_BYTES, T.cast(shift, "int64")), 0),
+                                    "int32",
+                                )
+                                if a == 0 and tail > 0:
+                                    store_range(
+                                        out,
+                                        aligned,
+                                        aligned_bytes,
+                                        narrow_word,
+                                        narrow_bytes,
+                                        chunk_index + tile_m_vectors,
+                                        0,
+                                        tail,
+                                        position,
                                     )
 
     return kernel
