@@ -113,20 +113,10 @@ def _summary_line(text: str) -> str:
     return found[-1] if found else "(no summary line: the sanitizer did not finish)"
 
 
-def _versions() -> dict[str, str]:
-    import torch
-
-    versions = {"torch": torch.__version__}
-    try:
-        import tilelang
-
-        versions["tilelang"] = tilelang.__version__
-    except ImportError:
-        versions["tilelang"] = "not installed"
-    sanitizer = subprocess.run(["compute-sanitizer", "--version"], capture_output=True, text=True, check=False)
-    versions["compute-sanitizer"] = sanitizer.stdout.strip().splitlines()[-1] if sanitizer.stdout.strip() else "?"
-    versions["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
-    return versions
+def _sanitizer_version() -> str:
+    result = subprocess.run(["compute-sanitizer", "--version"], capture_output=True, text=True, check=False)
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else "?"
 
 
 def sanitize(tool: str, oracle_args: Sequence[str], log: Path, markdown: Path | None) -> int:
@@ -157,15 +147,17 @@ def sanitize(tool: str, oracle_args: Sequence[str], log: Path, markdown: Path | 
     print(f"{tool} over the oracle: {summary} (sanitizer exit status {run.returncode}; log {log})")
 
     if markdown is not None:
-        versions = _versions()
+        from .runner import environment  # the oracle reports' own header: GPU, versions, revision
+
+        env = environment("(see the command)", 0, jit_module=None)
         command = " ".join(["tileproof", "oracle", "--no-timing", *oracle_args])
         lines = [
             f"# compute-sanitizer {tool} over the oracle",
             "",
             f"- date: {started.isoformat(timespec='seconds')}",
-            f"- GPU: {versions['gpu']}",
-            f"- versions: torch {versions['torch']}, tilelang {versions['tilelang']}, {versions['compute-sanitizer']}",
-            f"- git revision: {os.environ.get('TILEPROOF_GIT_REVISION', 'unknown')}",
+            f"- GPU: {env['gpu'] or 'no CUDA GPU'}",
+            f"- versions: torch {env['torch']}, tilelang {env['tilelang']}, {_sanitizer_version()}",
+            f"- git revision: {env['git_revision'] or 'unknown'}",
             f"- command: `{' '.join(sanitizer_command(tool, log))} {command}` with PYTORCH_NO_CUDA_MEMORY_CACHING=1",
             f"- planted {tool} bug (must be caught): {plant_result}",
             f"- sanitizer summary: **{summary}**; sanitizer exit status {run.returncode}; raw log: `{log.name}`",

@@ -66,3 +66,29 @@ def test_the_planted_bugs_keep_their_defect(tool, monkeypatch):
         assert "x[(((int)threadIdx.x) + 240)] =" in body and "if" not in body
     else:
         assert "staged[(127 - ((int)threadIdx.x))]" in body and "__syncthreads" not in body
+
+
+def test_summary_page_from_a_stand_in_sanitizer(monkeypatch, tmp_path):
+    """The whole command with ``subprocess.run`` standing in for compute-sanitizer: the plant is
+    caught (its exit code), the oracle's run is clean, and the summary says both."""
+    log, markdown = tmp_path / "memcheck.log", tmp_path / "memcheck.md"
+
+    class Finished:
+        def __init__(self, returncode, stdout=""):
+            self.returncode, self.stdout, self.stderr = returncode, stdout, ""
+
+    def run(command, **kwargs):
+        if "--plant" in command:
+            return Finished(sanitize.ERROR_EXIT_CODE, "========= ERROR SUMMARY: 18 errors\n")
+        if command[0] == "compute-sanitizer" and "--log-file" in command:
+            log.write_text("========= ERROR SUMMARY: 0 errors\n")
+            return Finished(0)
+        return Finished(0, "Version 2025.3.1.0\n")
+
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: "/usr/bin/compute-sanitizer")
+    monkeypatch.setattr(sanitize.subprocess, "run", run)
+    assert sanitize.sanitize("memcheck", ["--op", "topk_gate"], log, markdown) == 0
+    page = markdown.read_text()
+    assert "caught: ERROR SUMMARY: 18 errors" in page
+    assert "**ERROR SUMMARY: 0 errors**" in page and "Version 2025.3.1.0" in page
+    assert "tileproof oracle --no-timing --op topk_gate" in page
