@@ -174,6 +174,97 @@ def store_ranked(out, ranked, row, lane, rounds, results_per_lane: int):
             out[row + q * 32 + lane] = T.cast(ranked[q], "int64")
 
 
+# Optimal sorting networks (Knuth) for the sorted-lanes selection: (i, j) puts the larger of
+# positions i < j at i. 19 comparators for 8 entries.
+SORT_NETWORKS = {
+    1: (),
+    2: ((0, 1),),
+    4: ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2)),
+    8: (
+        (0, 2), (1, 3), (4, 6), (5, 7),
+        (0, 4), (1, 5), (2, 6), (3, 7),
+        (0, 1), (2, 3), (4, 5), (6, 7),
+        (2, 4), (3, 5),
+        (1, 4), (3, 6),
+        (1, 2), (3, 4), (5, 6),
+    ),
+}  # fmt: skip
+SORTED_LANE_WIDTHS = tuple(SORT_NETWORKS)
+
+
+@T.macro
+def order_pair(pairs, spare, i: int, j: int):
+    """``pairs[i] >= pairs[j]`` afterwards (uint64 compare-exchange)."""
+    swap = pairs[j] > pairs[i]
+    spare[0] = T.if_then_else(swap, pairs[i], pairs[j])
+    pairs[i] = T.if_then_else(swap, pairs[j], pairs[i])
+    pairs[j] = spare[0]
+
+
+@T.macro
+def select_top_sorted(keys, ranked, pairs, spare, order, lane, rounds, per_lane: int, results_per_lane: int):
+    """Same results as ``select_top`` for ``per_lane`` in ``SORTED_LANE_WIDTHS`` (every round
+    picks the warp's best remaining (key, entry index), the smaller index on a tie), with the
+    lane's slots sorted once: each lane sorts its (key, slot) pairs descending by key, the smaller
+    slot first on a tie (uint64 ``key << 32 | (per_lane - 1 - slot)``: distinct, so any sorting
+    network gives this order), keeps the sorted keys in ``keys`` and the slots as 4-bit nibbles
+    of ``order[0]`` (head in the low nibble, stored as ``per_lane - 1 - slot``). A round is then
+    one arg-max over the lane heads; the winning lane (the only one whose head index equals the
+    winner) shifts its list by one, an empty position getting the absent key.
+
+    (Rounds past the row's present entries, which the argument checks rule out, may pick other
+    absent entries than ``select_top`` does.)"""
+    for i in T.unroll(per_lane):
+        pairs[i] = T.shift_left(T.cast(keys[i], "uint64"), T.uint64(32)) | T.uint64(per_lane - 1 - i)
+    # The networks of SORT_NETWORKS, written out (the macro parser unrolls no Python loops).
+    if per_lane == 2:
+        order_pair(pairs, spare, 0, 1)
+    if per_lane == 4:
+        order_pair(pairs, spare, 0, 1)
+        order_pair(pairs, spare, 2, 3)
+        order_pair(pairs, spare, 0, 2)
+        order_pair(pairs, spare, 1, 3)
+        order_pair(pairs, spare, 1, 2)
+    if per_lane == 8:
+        order_pair(pairs, spare, 0, 2)
+        order_pair(pairs, spare, 1, 3)
+        order_pair(pairs, spare, 4, 6)
+        order_pair(pairs, spare, 5, 7)
+        order_pair(pairs, spare, 0, 4)
+        order_pair(pairs, spare, 1, 5)
+        order_pair(pairs, spare, 2, 6)
+        order_pair(pairs, spare, 3, 7)
+        order_pair(pairs, spare, 0, 1)
+        order_pair(pairs, spare, 2, 3)
+        order_pair(pairs, spare, 4, 5)
+        order_pair(pairs, spare, 6, 7)
+        order_pair(pairs, spare, 2, 4)
+        order_pair(pairs, spare, 3, 5)
+        order_pair(pairs, spare, 1, 4)
+        order_pair(pairs, spare, 3, 6)
+        order_pair(pairs, spare, 1, 2)
+        order_pair(pairs, spare, 3, 4)
+        order_pair(pairs, spare, 5, 6)
+    order[0] = T.uint32(0)
+    for i in T.unroll(per_lane):
+        keys[i] = T.cast(T.shift_right(pairs[i], T.uint64(32)), "uint32")
+        order[0] = order[0] | T.shift_left(T.cast(pairs[i], "uint32") & T.uint32(per_lane - 1), T.uint32(4 * i))
+    for q in T.unroll(results_per_lane):
+        ranked[q] = T.uint32(NO_INDEX)
+    for r in T.serial(rounds):
+        top = T.warp_reduce_max(keys[0])
+        # lane·per_lane + slot = lane·per_lane | (per_lane - 1 - nibble) (per_lane is a power of two)
+        mine = T.cast(lane * per_lane, "uint32") | (~order[0] & T.uint32(per_lane - 1))
+        winner = T.warp_reduce_min(T.if_then_else(keys[0] == top, mine, T.uint32(NO_INDEX)))
+        won = winner == mine
+        for i in T.unroll(per_lane - 1):
+            keys[i] = T.if_then_else(won, keys[i + 1], keys[i])
+        keys[per_lane - 1] = T.if_then_else(won, T.uint32(KEY_ABSENT), keys[per_lane - 1])
+        order[0] = T.if_then_else(won, T.shift_right(order[0], T.uint32(4)), order[0])
+        for q in T.unroll(results_per_lane):
+            ranked[q] = T.if_then_else(r == q * 32 + lane, winner, ranked[q])
+
+
 # ---------------------------------------------------------------------------------------------
 # topk_gate
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +465,16 @@ def merge_top2(top2, other_first, other_second):
 
 
 @jit()
-def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, results_per_lane: int, warps: int = WARPS):
+def router_kernel(
+    per_lane: int,
+    vector: int,
+    scoring: str,
+    group_size: int,
+    results_per_lane: int,
+    warps: int = WARPS,
+    sorted_lanes: bool = False,
+    lean_tail: bool = False,
+):
     """Factory over the static layout: ``per_lane`` experts per lane, the load width, the scoring
     function, the group size (0: no group limiting) and the output slots per lane. Everything
     else (T, R, k, kept groups, shared experts, the factor, the optional inputs and their
@@ -382,7 +482,15 @@ def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, res
 
     With groups, a group spans ``lanes_per_group = group_size / per_lane`` adjacent lanes, or a
     lane holds ``groups_per_lane = per_lane / group_size`` whole groups (the launcher picks
-    ``per_lane`` so that one of the two divisions is exact)."""
+    ``per_lane`` so that one of the two divisions is exact).
+
+    Opt-in schedules (same results; the launcher uses neither yet): ``sorted_lanes`` ranks the
+    experts with ``select_top_sorted`` (where ``per_lane`` is in ``SORTED_LANE_WIDTHS``); ``lean_tail``
+    checks finiteness with one running maximum of the doubled bits (the entries past the row were
+    loaded as 0, which is finite) and sums ``den`` over lanes in unrolled chunks of 8 shuffles,
+    still left to right: the lanes past ``k`` hold a score of +0, and ``den + 0 == den`` for the
+    positive ``den``."""
+    sorted_lanes = sorted_lanes and per_lane in SORTED_LANE_WIDTHS  # other widths: select_top
     grouped = group_size > 0
     lanes_per_group = group_size // per_lane if grouped and group_size >= per_lane else 1
     groups_per_lane = per_lane // group_size if grouped and group_size < per_lane else 1
@@ -489,6 +597,10 @@ def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, res
             best_slot = T.alloc_local((1,), "int32")
             chosen = T.alloc_local((1,), "uint32")
             chosen_groups = T.alloc_local((1,), "uint32")
+            pairs = T.alloc_local((per_lane,), "uint64")
+            spare = T.alloc_local((1,), "uint64")
+            order = T.alloc_local((1,), "uint32")
+            bits_max = T.alloc_var("uint32")
             top2 = T.alloc_local((2,), "uint32")
             own = T.alloc_local((2,), "uint32")
             row_max = T.alloc_var("float32")
@@ -528,10 +640,17 @@ def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, res
                     row = T.cast(token, "int64") * row_stride_vectors * vector
                     load_entries(logits, values, row, lane, num_experts, expert_stride, T.float32(0), per_lane, vector)
                     not_finite = 0
-                    for i in T.unroll(per_lane):
-                        magnitude = T.reinterpret(values[i], "uint32") & T.uint32(0x7FFFFFFF)
-                        if (lane * per_lane + i < num_experts) & (magnitude > T.uint32(LARGEST_FINITE_BITS)):
-                            not_finite = 1
+                    if lean_tail:
+                        # |x| > LARGEST_FINITE  <=>  bits << 1 > LARGEST_FINITE << 1 (the sign shifted out)
+                        bits_max = T.uint32(0)
+                        for i in T.unroll(per_lane):
+                            bits_max = T.max(bits_max, T.shift_left(T.reinterpret(values[i], "uint32"), T.uint32(1)))
+                        not_finite = T.cast(bits_max > T.uint32(LARGEST_FINITE_BITS << 1), "int32")
+                    else:
+                        for i in T.unroll(per_lane):
+                            magnitude = T.reinterpret(values[i], "uint32") & T.uint32(0x7FFFFFFF)
+                            if (lane * per_lane + i < num_experts) & (magnitude > T.uint32(LARGEST_FINITE_BITS)):
+                                not_finite = 1
                     T.device_assert(not_finite == 0, "top2_sum_gate: logits must be finite in every routed token")
                     if scoring == "softmax":
                         row_max = T.float32(float("-inf"))
@@ -567,7 +686,14 @@ def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, res
                                 num_groups,
                                 group_rounds,
                             )
-                        select_top(keys, ranked, chosen, best_key, best_slot, lane, rounds, per_lane, results_per_lane)
+                        if sorted_lanes:
+                            select_top_sorted(
+                                keys, ranked, pairs, spare, order, lane, rounds, per_lane, results_per_lane
+                            )
+                        else:
+                            select_top(
+                                keys, ranked, chosen, best_key, best_slot, lane, rounds, per_lane, results_per_lane
+                            )
                     else:
                         for q in T.unroll(results_per_lane):
                             ranked[q] = T.uint32(0)
@@ -586,8 +712,13 @@ def router_kernel(per_lane: int, vector: int, scoring: str, group_size: int, res
                             chosen_scores[q] = routing_score(chosen, row_max, exp_sum, scoring)
                     den = T.float32(WEIGHT_EPSILON)
                     for q in T.unroll(results_per_lane):
-                        for source in T.serial(T.min(32, num_topk - q * 32)):
-                            den = den + T.shfl_sync(chosen_scores[q], source)
+                        if lean_tail:
+                            for chunk in T.serial(T.ceildiv(T.min(32, num_topk - q * 32), 8)):
+                                for u in T.unroll(8):
+                                    den = den + T.shfl_sync(chosen_scores[q], chunk * 8 + u)
+                        else:
+                            for source in T.serial(T.min(32, num_topk - q * 32)):
+                                den = den + T.shfl_sync(chosen_scores[q], source)
                     for q in T.unroll(results_per_lane):
                         slot = q * 32 + lane
                         if slot < slots:
