@@ -945,7 +945,9 @@ def top2_sum_gate(
             f"(and groups that fit a warp's lanes), got {num_routed} experts"
         )
     vector = _vector_width([logits, bias], per_lane, num_routed)
-    kernel = router_kernel(per_lane, vector, scoring_func, group_size, ceil_div(slots, 32), warps=WARPS)
+    kernel = router_kernel(
+        per_lane, vector, scoring_func, group_size, ceil_div(slots, 32), warps=WARPS, sorted_lanes=True, lean_tail=True
+    )
     if compiling_only():
         return topk_idx, topk_weights
 
