@@ -444,11 +444,13 @@ def group_topk_kernel(groups_per_lane: int, results_per_lane: int, warps: int = 
 # ---------------------------------------------------------------------------------------------
 
 
-def routing_score(logit, row_max, exp_sum, scoring: str):
+def routing_score(logit, row_max, exp_sum, scoring: str, reciprocal: bool = False):
     """The score ``s`` of one logit with the instructions PyTorch's CUDA kernels use: ``expf``,
     ``log1pf``, ``sqrtf`` (correctly rounded without fast-math) and IEEE divisions. Softmax takes
     the row's maximum and its sum of ``exp(x - max)``."""
     if scoring == "sigmoid":
+        if reciprocal:
+            return T.ieee_frcp(T.float32(1) + T.exp(-logit))
         return T.ieee_fdiv(T.float32(1), T.float32(1) + T.exp(-logit))
     if scoring == "sqrtsoftplus":
         softplus = T.if_then_else(logit > T.float32(SOFTPLUS_THRESHOLD), logit, T.log1p(T.exp(logit)))
@@ -474,6 +476,8 @@ def router_kernel(
     warps: int = WARPS,
     sorted_lanes: bool = False,
     lean_tail: bool = False,
+    reciprocal: bool = False,
+    min_blocks: int = 0,
 ):
     """Factory over the static layout: ``per_lane`` experts per lane, the load width, the scoring
     function, the group size (0: no group limiting) and the output slots per lane. Everything
@@ -586,6 +590,8 @@ def router_kernel(
             tx = T.get_thread_binding()
             lane = tx % 32
             token = block * warps + tx // 32
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             values = T.alloc_local((per_lane,), "float32")
             biases = T.alloc_local((per_lane,), "float32")
             keys = T.alloc_local((per_lane,), "uint32")
@@ -669,7 +675,7 @@ def router_kernel(
                             if scoring == "softmax":
                                 ranking = values[i] + biases[i]
                             else:
-                                ranking = routing_score(values[i], row_max, exp_sum, scoring) + biases[i]
+                                ranking = routing_score(values[i], row_max, exp_sum, scoring, reciprocal) + biases[i]
                             present = lane * per_lane + i < num_experts
                             keys[i] = T.if_then_else(present, ranking_key(ranking), T.uint32(KEY_ABSENT))
                         if grouped:
@@ -709,7 +715,7 @@ def router_kernel(
                         chosen_scores[q] = T.float32(0)
                         if q * 32 + lane < num_topk:
                             chosen = logits[row + T.cast(ranked[q], "int64") * expert_stride]
-                            chosen_scores[q] = routing_score(chosen, row_max, exp_sum, scoring)
+                            chosen_scores[q] = routing_score(chosen, row_max, exp_sum, scoring, reciprocal)
                     den = T.float32(WEIGHT_EPSILON)
                     for q in T.unroll(results_per_lane):
                         if lean_tail:
