@@ -95,6 +95,19 @@ def ranking_key(value):
     return T.if_then_else(is_nan, T.uint32(KEY_NAN), ordered)
 
 
+def select_ranking_key(value, signed_zero: bool):
+    """``ranking_key`` written with selects only (no branch the compiler would take per entry);
+    ``signed_zero=False`` for values that are never −0 (a sigmoid or sqrt-softplus score plus a
+    bias: the score is ≥ +0, and a sum is −0 only when both terms are)."""
+    bits = T.reinterpret(value, "uint32")
+    sign_spread = T.reinterpret(T.shift_right(T.reinterpret(value, "int32"), 31), "uint32")
+    ordered = bits ^ (sign_spread | T.uint32(SIGN_BIT))
+    if signed_zero:
+        ordered = T.if_then_else(ordered == T.uint32(SIGN_BIT - 1), T.uint32(SIGN_BIT), ordered)
+    is_nan = (bits & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000)
+    return T.if_then_else(is_nan, T.uint32(KEY_NAN), ordered)
+
+
 def key_value(key):
     """The fp32 value of a ranking key (±0 decode as +0, NaN as 0x7FFFFFFF: both rank the same)."""
     bits = T.if_then_else(key >= T.uint32(SIGN_BIT), key ^ T.uint32(SIGN_BIT), key ^ T.uint32(0xFFFFFFFF))
@@ -263,6 +276,105 @@ def select_top_sorted(keys, ranked, pairs, spare, order, lane, rounds, per_lane:
         order[0] = T.if_then_else(won, T.shift_right(order[0], T.uint32(4)), order[0])
         for q in T.unroll(results_per_lane):
             ranked[q] = T.if_then_else(r == q * 32 + lane, winner, ranked[q])
+
+
+@T.macro
+def order_keys(keys, i: int, j: int):
+    """``keys[i] >= keys[j]`` afterwards (one unsigned max and one min)."""
+    larger = T.max(keys[i], keys[j])
+    keys[j] = T.min(keys[i], keys[j])
+    keys[i] = larger
+
+
+@T.macro
+def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches, lane, rounds, per_lane: int, results_per_lane: int):
+    """Same results as ``select_top`` for ``per_lane`` in ``SORTED_LANE_WIDTHS``, with 32-bit work:
+    each lane sorts its keys alone (no slots: ``max``/``min`` per comparator), a round takes the
+    warp's best head and the smallest lane holding it (its entries precede every later lane's), and
+    that lane shifts its list. Which slot won is found once at the end: the unsorted keys wait in
+    the warp's ``stash`` rows (shared memory, ``per_lane`` per lane from ``stash_row``), rank ``j``'s
+    lane reads the winning lane's row, marks the slots holding the winning key and takes the
+    ``(c + 1)``-th of them, ``c`` the number of earlier ranks won by the same lane with the same
+    key. Those ranks are the ones right before ``j`` (the lane keeps winning while it holds the
+    best key and is the smallest lane holding it), so ``c`` comes from one ballot of where runs
+    start; the smaller slot goes first on a tie, as in ``select_top``."""
+    for i in T.vectorized(per_lane):
+        stash[stash_row + lane * per_lane + i] = keys[i]
+    # The networks of SORT_NETWORKS, written out (the macro parser unrolls no Python loops).
+    if per_lane == 2:
+        order_keys(keys, 0, 1)
+    if per_lane == 4:
+        order_keys(keys, 0, 1)
+        order_keys(keys, 2, 3)
+        order_keys(keys, 0, 2)
+        order_keys(keys, 1, 3)
+        order_keys(keys, 1, 2)
+    if per_lane == 8:
+        order_keys(keys, 0, 2)
+        order_keys(keys, 1, 3)
+        order_keys(keys, 4, 6)
+        order_keys(keys, 5, 7)
+        order_keys(keys, 0, 4)
+        order_keys(keys, 1, 5)
+        order_keys(keys, 2, 6)
+        order_keys(keys, 3, 7)
+        order_keys(keys, 0, 1)
+        order_keys(keys, 2, 3)
+        order_keys(keys, 4, 5)
+        order_keys(keys, 6, 7)
+        order_keys(keys, 2, 4)
+        order_keys(keys, 3, 5)
+        order_keys(keys, 1, 4)
+        order_keys(keys, 3, 6)
+        order_keys(keys, 1, 2)
+        order_keys(keys, 3, 4)
+        order_keys(keys, 5, 6)
+    for q in T.unroll(results_per_lane):
+        ranked[q] = T.uint32(NO_INDEX)
+        ranked_key[q] = T.uint32(KEY_ABSENT)
+    for r in T.serial(rounds):
+        top = T.warp_reduce_max(keys[0])
+        winner = T.warp_reduce_min(T.if_then_else(keys[0] == top, T.cast(lane, "uint32"), T.uint32(32)))
+        won = T.cast(winner, "int32") == lane
+        for i in T.unroll(per_lane - 1):
+            keys[i] = T.if_then_else(won, keys[i + 1], keys[i])
+        keys[per_lane - 1] = T.if_then_else(won, T.uint32(KEY_ABSENT), keys[per_lane - 1])
+        for q in T.unroll(results_per_lane):
+            ranked[q] = T.if_then_else(r == q * 32 + lane, winner, ranked[q])
+            ranked_key[q] = T.if_then_else(r == q * 32 + lane, top, ranked_key[q])
+    T.sync_warp()  # the stash rows are read by other lanes
+    # Resolve (winning lane, key) into entry indices. matches[0]: this rank's candidate slots;
+    # matches[1..3]: lane 31's run count, lane and key of the previous register (rank 32q - 1);
+    # matches[4..5]: the previous rank's lane and key.
+    matches[1] = T.uint32(0)
+    matches[2] = T.uint32(NO_INDEX)
+    matches[3] = T.uint32(KEY_ABSENT)
+    for q in T.unroll(results_per_lane):
+        source = ranked[q] & T.uint32(31)
+        key = ranked_key[q]
+        matches[4] = T.shfl_up(source, 1)
+        matches[5] = T.shfl_up(key, 1)
+        before_source = T.if_then_else(lane == 0, matches[2], matches[4])
+        before_key = T.if_then_else(lane == 0, matches[3], matches[5])
+        starts = T.cast(T.ballot((before_source != source) | (before_key != key)), "uint32")
+        # Run starts at or below this lane (bits 0..lane): the run's first rank is the highest, at
+        # 31 - clz; with none (clz == 32) the run continues from the previous register.
+        leading = T.cast(T.clz(starts & T.shift_right(T.uint32(0xFFFFFFFF), T.cast(31 - lane, "uint32"))), "int32")
+        earlier = lane - 31 + leading + T.shift_right(leading, 5) * T.cast(matches[1], "int32")
+        for i in T.vectorized(per_lane):
+            fetched[i] = stash[stash_row + source * per_lane + i]
+        matches[0] = T.uint32(0)
+        for i in T.unroll(per_lane):
+            matches[0] = matches[0] | T.if_then_else(fetched[i] == key, T.uint32(1 << i), T.uint32(0))
+        for t in T.serial(earlier):
+            matches[0] = matches[0] & (matches[0] - T.uint32(1))
+        if results_per_lane > 1:
+            matches[1] = T.cast(T.shfl_sync(earlier, 31), "uint32")
+            matches[2] = T.shfl_sync(source, 31)
+            matches[3] = T.shfl_sync(key, 31)
+        slot = T.cast(T.call_extern("int32", "__ffs", matches[0]) - 1, "uint32")
+        if q * 32 + lane < rounds:
+            ranked[q] = source * T.uint32(per_lane) + slot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,6 +588,8 @@ def router_kernel(
     warps: int = WARPS,
     sorted_lanes: bool = False,
     lean_tail: bool = False,
+    sorted_keys: bool = False,
+    select_keys: bool = False,
     reciprocal: bool = False,
     min_blocks: int = 0,
 ):
@@ -495,6 +609,7 @@ def router_kernel(
     still left to right: the lanes past ``k`` hold a score of +0, and ``den + 0 == den`` for the
     positive ``den``."""
     sorted_lanes = sorted_lanes and per_lane in SORTED_LANE_WIDTHS  # other widths: select_top
+    sorted_keys = sorted_keys and per_lane in SORTED_LANE_WIDTHS
     grouped = group_size > 0
     lanes_per_group = group_size // per_lane if grouped and group_size >= per_lane else 1
     groups_per_lane = per_lane // group_size if grouped and group_size < per_lane else 1
@@ -606,6 +721,10 @@ def router_kernel(
             pairs = T.alloc_local((per_lane,), "uint64")
             spare = T.alloc_local((1,), "uint64")
             order = T.alloc_local((1,), "uint32")
+            ranked_key = T.alloc_local((results_per_lane,), "uint32")
+            matches = T.alloc_local((6,), "uint32")
+            fetched = T.alloc_local((per_lane,), "uint32")
+            stash = T.alloc_shared((warps * 32 * per_lane if sorted_keys else 1,), "uint32")
             bits_max = T.alloc_var("uint32")
             top2 = T.alloc_local((2,), "uint32")
             own = T.alloc_local((2,), "uint32")
@@ -677,7 +796,11 @@ def router_kernel(
                             else:
                                 ranking = routing_score(values[i], row_max, exp_sum, scoring, reciprocal) + biases[i]
                             present = lane * per_lane + i < num_experts
-                            keys[i] = T.if_then_else(present, ranking_key(ranking), T.uint32(KEY_ABSENT))
+                            if select_keys:
+                                key = select_ranking_key(ranking, scoring == "softmax")
+                            else:
+                                key = ranking_key(ranking)
+                            keys[i] = T.if_then_else(present, key, T.uint32(KEY_ABSENT))
                         if grouped:
                             limit_groups(
                                 keys,
@@ -692,7 +815,21 @@ def router_kernel(
                                 num_groups,
                                 group_rounds,
                             )
-                        if sorted_lanes:
+                        if sorted_keys:
+                            select_top_keys(
+                                keys,
+                                stash,
+                                tx // 32 * 32 * per_lane,
+                                fetched,
+                                ranked,
+                                ranked_key,
+                                matches,
+                                lane,
+                                rounds,
+                                per_lane,
+                                results_per_lane,
+                            )
+                        elif sorted_lanes:
                             select_top_sorted(
                                 keys, ranked, pairs, spare, order, lane, rounds, per_lane, results_per_lane
                             )
