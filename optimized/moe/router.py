@@ -356,7 +356,10 @@ def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches
         matches[5] = T.shfl_up(key, 1)
         before_source = T.if_then_else(lane == 0, matches[2], matches[4])
         before_key = T.if_then_else(lane == 0, matches[3], matches[5])
-        starts = T.cast(T.ballot((before_source != source) | (before_key != key)), "uint32")
+        # A rank past ``rounds`` starts a run of its own, so that it has no occurrences to skip.
+        starts = T.cast(
+            T.ballot((before_source != source) | (before_key != key) | (q * 32 + lane >= rounds)), "uint32"
+        )
         # Run starts at or below this lane (bits 0..lane): the run's first rank is the highest, at
         # 31 - clz; with none (clz == 32) the run continues from the previous register.
         leading = T.cast(T.clz(starts & T.shift_right(T.uint32(0xFFFFFFFF), T.cast(31 - lane, "uint32"))), "int32")
@@ -590,6 +593,7 @@ def router_kernel(
     lean_tail: bool = False,
     sorted_keys: bool = False,
     select_keys: bool = False,
+    full_rows: bool = False,
     reciprocal: bool = False,
     min_blocks: int = 0,
 ):
@@ -744,6 +748,9 @@ def router_kernel(
             rounds = num_topk
             group_rounds = num_topk_groups
             slots = num_topk + num_shared
+            # Entries a row holds: the static width when the launcher says every lane is full
+            # (R = 32 · per_lane), so that the bounds checks fold away.
+            row_entries = 32 * per_lane if full_rows else num_experts
             if token < num_tokens:
                 out_row = T.cast(token, "int64") * slots
                 unmapped_row = T.cast(token, "int64") * unmapped_stride
@@ -763,7 +770,7 @@ def router_kernel(
                     if has_fixed != 0:
                         is_fixed = T.cast(fixed[T.cast(token, "int64") * fixed_stride], "int32")
                     row = T.cast(token, "int64") * row_stride_vectors * vector
-                    load_entries(logits, values, row, lane, num_experts, expert_stride, T.float32(0), per_lane, vector)
+                    load_entries(logits, values, row, lane, row_entries, expert_stride, T.float32(0), per_lane, vector)
                     not_finite = 0
                     if lean_tail:
                         # |x| > LARGEST_FINITE  <=>  bits << 1 > LARGEST_FINITE << 1 (the sign shifted out)
@@ -780,22 +787,22 @@ def router_kernel(
                     if scoring == "softmax":
                         row_max = T.float32(float("-inf"))
                         for i in T.unroll(per_lane):
-                            if lane * per_lane + i < num_experts:
+                            if lane * per_lane + i < row_entries:
                                 row_max = T.max(row_max, values[i])
                         row_max = T.warp_reduce_max(row_max)
                         exp_sum = T.float32(0)
                         for i in T.unroll(per_lane):
-                            if lane * per_lane + i < num_experts:
+                            if lane * per_lane + i < row_entries:
                                 exp_sum = exp_sum + T.exp(values[i] - row_max)
                         exp_sum = T.warp_reduce_sum(exp_sum)
                     if is_fixed == 0:
-                        load_bias(bias, biases, lane, num_experts, bias_stride, per_lane, vector)
+                        load_bias(bias, biases, lane, row_entries, bias_stride, per_lane, vector)
                         for i in T.unroll(per_lane):
                             if scoring == "softmax":
                                 ranking = values[i] + biases[i]
                             else:
                                 ranking = routing_score(values[i], row_max, exp_sum, scoring, reciprocal) + biases[i]
-                            present = lane * per_lane + i < num_experts
+                            present = lane * per_lane + i < row_entries
                             if select_keys:
                                 key = select_ranking_key(ranking, scoring == "softmax")
                             else:
