@@ -1096,7 +1096,15 @@ def top2_sum_gate(
         )
     vector = _vector_width([logits, bias], per_lane, num_routed)
     kernel = router_kernel(
-        per_lane, vector, scoring_func, group_size, ceil_div(slots, 32), warps=WARPS, sorted_lanes=True, lean_tail=True
+        per_lane,
+        vector,
+        scoring_func,
+        group_size,
+        ceil_div(slots, 32),
+        warps=WARPS,
+        sorted_lanes=True,
+        lean_tail=True,
+        full_rows=num_routed == 32 * per_lane,
     )
     if compiling_only():
         return topk_idx, topk_weights
