@@ -32,7 +32,11 @@ Kernel design (one warp per token row, the row in registers, no shared memory, n
   ``shfl_xor`` when ``L`` is a power of two, else gathered lane by lane) or a lane holds
   ``n / group_size`` whole groups; ``n`` is chosen so that one of the two holds. The kept groups
   come from the same arg-max rounds over group keys (their mask bits mark the chosen); experts of
-  the other groups get the key of ``-inf``, exactly as the reference masks them. The lanes holding
+  the other groups get the key of ``-inf``, exactly as the reference masks them. The top-k of the
+  experts (widths 1, 2, 4, 8 per lane) sorts each lane's keys once with a sorting network and
+  then takes one warp max over the lane heads per round (``select_top_keys``): about half the
+  instructions of the scan rounds; which slot won is resolved once, from the unsorted keys kept in
+  shared memory. The lanes holding
   the ``k`` winners then re-read those logits (L1 hits) and recompute their scores with the same
   instructions, so the weights need no per-round bookkeeping: ``den`` is summed left to right over
   the lanes by shuffles, ``w = fl32(fl32(s / den) · factor)`` with an IEEE division. Shared
@@ -187,8 +191,8 @@ def store_ranked(out, ranked, row, lane, rounds, results_per_lane: int):
             out[row + q * 32 + lane] = T.cast(ranked[q], "int64")
 
 
-# Optimal sorting networks (Knuth) for the sorted-lanes selection: (i, j) puts the larger of
-# positions i < j at i. 19 comparators for 8 entries.
+# Optimal sorting networks (Knuth) for ``select_top_keys``: (i, j) puts the larger of positions
+# i < j at i. 19 comparators for 8 entries.
 SORT_NETWORKS = {
     1: (),
     2: ((0, 1),),
@@ -203,79 +207,6 @@ SORT_NETWORKS = {
     ),
 }  # fmt: skip
 SORTED_LANE_WIDTHS = tuple(SORT_NETWORKS)
-
-
-@T.macro
-def order_pair(pairs, spare, i: int, j: int):
-    """``pairs[i] >= pairs[j]`` afterwards (uint64 compare-exchange)."""
-    swap = pairs[j] > pairs[i]
-    spare[0] = T.if_then_else(swap, pairs[i], pairs[j])
-    pairs[i] = T.if_then_else(swap, pairs[j], pairs[i])
-    pairs[j] = spare[0]
-
-
-@T.macro
-def select_top_sorted(keys, ranked, pairs, spare, order, lane, rounds, per_lane: int, results_per_lane: int):
-    """Same results as ``select_top`` for ``per_lane`` in ``SORTED_LANE_WIDTHS`` (every round
-    picks the warp's best remaining (key, entry index), the smaller index on a tie), with the
-    lane's slots sorted once: each lane sorts its (key, slot) pairs descending by key, the smaller
-    slot first on a tie (uint64 ``key << 32 | (per_lane - 1 - slot)``: distinct, so any sorting
-    network gives this order), keeps the sorted keys in ``keys`` and the slots as 4-bit nibbles
-    of ``order[0]`` (head in the low nibble, stored as ``per_lane - 1 - slot``). A round is then
-    one arg-max over the lane heads; the winning lane (the only one whose head index equals the
-    winner) shifts its list by one, an empty position getting the absent key.
-
-    (Rounds past the row's present entries, which the argument checks rule out, may pick other
-    absent entries than ``select_top`` does.)"""
-    for i in T.unroll(per_lane):
-        pairs[i] = T.shift_left(T.cast(keys[i], "uint64"), T.uint64(32)) | T.uint64(per_lane - 1 - i)
-    # The networks of SORT_NETWORKS, written out (the macro parser unrolls no Python loops).
-    if per_lane == 2:
-        order_pair(pairs, spare, 0, 1)
-    if per_lane == 4:
-        order_pair(pairs, spare, 0, 1)
-        order_pair(pairs, spare, 2, 3)
-        order_pair(pairs, spare, 0, 2)
-        order_pair(pairs, spare, 1, 3)
-        order_pair(pairs, spare, 1, 2)
-    if per_lane == 8:
-        order_pair(pairs, spare, 0, 2)
-        order_pair(pairs, spare, 1, 3)
-        order_pair(pairs, spare, 4, 6)
-        order_pair(pairs, spare, 5, 7)
-        order_pair(pairs, spare, 0, 4)
-        order_pair(pairs, spare, 1, 5)
-        order_pair(pairs, spare, 2, 6)
-        order_pair(pairs, spare, 3, 7)
-        order_pair(pairs, spare, 0, 1)
-        order_pair(pairs, spare, 2, 3)
-        order_pair(pairs, spare, 4, 5)
-        order_pair(pairs, spare, 6, 7)
-        order_pair(pairs, spare, 2, 4)
-        order_pair(pairs, spare, 3, 5)
-        order_pair(pairs, spare, 1, 4)
-        order_pair(pairs, spare, 3, 6)
-        order_pair(pairs, spare, 1, 2)
-        order_pair(pairs, spare, 3, 4)
-        order_pair(pairs, spare, 5, 6)
-    order[0] = T.uint32(0)
-    for i in T.unroll(per_lane):
-        keys[i] = T.cast(T.shift_right(pairs[i], T.uint64(32)), "uint32")
-        order[0] = order[0] | T.shift_left(T.cast(pairs[i], "uint32") & T.uint32(per_lane - 1), T.uint32(4 * i))
-    for q in T.unroll(results_per_lane):
-        ranked[q] = T.uint32(NO_INDEX)
-    for r in T.serial(rounds):
-        top = T.warp_reduce_max(keys[0])
-        # lane·per_lane + slot = lane·per_lane | (per_lane - 1 - nibble) (per_lane is a power of two)
-        mine = T.cast(lane * per_lane, "uint32") | (~order[0] & T.uint32(per_lane - 1))
-        winner = T.warp_reduce_min(T.if_then_else(keys[0] == top, mine, T.uint32(NO_INDEX)))
-        won = winner == mine
-        for i in T.unroll(per_lane - 1):
-            keys[i] = T.if_then_else(won, keys[i + 1], keys[i])
-        keys[per_lane - 1] = T.if_then_else(won, T.uint32(KEY_ABSENT), keys[per_lane - 1])
-        order[0] = T.if_then_else(won, T.shift_right(order[0], T.uint32(4)), order[0])
-        for q in T.unroll(results_per_lane):
-            ranked[q] = T.if_then_else(r == q * 32 + lane, winner, ranked[q])
 
 
 @T.macro
@@ -298,6 +229,8 @@ def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches
     key. Those ranks are the ones right before ``j`` (the lane keeps winning while it holds the
     best key and is the smallest lane holding it), so ``c`` comes from one ballot of where runs
     start; the smaller slot goes first on a tie, as in ``select_top``."""
+    # (TileLang's barrier insertion does not know that a warp's stash rows are its own: it adds one
+    # __syncthreads at the kernel's start, before any work, which costs nothing measurable.)
     for i in T.vectorized(per_lane):
         stash[stash_row + lane * per_lane + i] = keys[i]
     # The networks of SORT_NETWORKS, written out (the macro parser unrolls no Python loops).
@@ -559,14 +492,13 @@ def group_topk_kernel(groups_per_lane: int, results_per_lane: int, warps: int = 
 # ---------------------------------------------------------------------------------------------
 
 
-def routing_score(logit, row_max, exp_sum, scoring: str, reciprocal: bool = False):
+def routing_score(logit, row_max, exp_sum, scoring: str):
     """The score ``s`` of one logit with the instructions PyTorch's CUDA kernels use: ``expf``,
     ``log1pf``, ``sqrtf`` (correctly rounded without fast-math) and IEEE divisions. Softmax takes
     the row's maximum and its sum of ``exp(x - max)``."""
     if scoring == "sigmoid":
-        if reciprocal:
-            return T.ieee_frcp(T.float32(1) + T.exp(-logit))
-        return T.ieee_fdiv(T.float32(1), T.float32(1) + T.exp(-logit))
+        # The correctly rounded reciprocal is the correctly rounded 1 / y (fewer instructions).
+        return T.ieee_frcp(T.float32(1) + T.exp(-logit))
     if scoring == "sqrtsoftplus":
         softplus = T.if_then_else(logit > T.float32(SOFTPLUS_THRESHOLD), logit, T.log1p(T.exp(logit)))
         return T.sqrt(softplus)
@@ -589,13 +521,7 @@ def router_kernel(
     group_size: int,
     results_per_lane: int,
     warps: int = WARPS,
-    sorted_lanes: bool = False,
-    lean_tail: bool = False,
-    sorted_keys: bool = False,
-    select_keys: bool = False,
     full_rows: bool = False,
-    reciprocal: bool = False,
-    min_blocks: int = 0,
 ):
     """Factory over the static layout: ``per_lane`` experts per lane, the load width, the scoring
     function, the group size (0: no group limiting) and the output slots per lane. Everything
@@ -606,14 +532,10 @@ def router_kernel(
     lane holds ``groups_per_lane = per_lane / group_size`` whole groups (the launcher picks
     ``per_lane`` so that one of the two divisions is exact).
 
-    Opt-in schedules (same results; the launcher uses neither yet): ``sorted_lanes`` ranks the
-    experts with ``select_top_sorted`` (where ``per_lane`` is in ``SORTED_LANE_WIDTHS``); ``lean_tail``
-    checks finiteness with one running maximum of the doubled bits (the entries past the row were
-    loaded as 0, which is finite) and sums ``den`` over lanes in unrolled chunks of 8 shuffles,
-    still left to right: the lanes past ``k`` hold a score of +0, and ``den + 0 == den`` for the
-    positive ``den``."""
-    sorted_lanes = sorted_lanes and per_lane in SORTED_LANE_WIDTHS  # other widths: select_top
-    sorted_keys = sorted_keys and per_lane in SORTED_LANE_WIDTHS
+    ``full_rows``: the launcher's word that R = 32 · per_lane (every lane full), so the bounds
+    checks of the loads and keys fold away. The experts are ranked with ``select_top_keys`` where
+    ``per_lane`` is in ``SORTED_LANE_WIDTHS``, else with ``select_top``."""
+    sorted_keys = per_lane in SORTED_LANE_WIDTHS
     grouped = group_size > 0
     lanes_per_group = group_size // per_lane if grouped and group_size >= per_lane else 1
     groups_per_lane = per_lane // group_size if grouped and group_size < per_lane else 1
@@ -709,8 +631,6 @@ def router_kernel(
             tx = T.get_thread_binding()
             lane = tx % 32
             token = block * warps + tx // 32
-            if min_blocks > 1:
-                T.annotate_min_blocks_per_sm(min_blocks)
             values = T.alloc_local((per_lane,), "float32")
             biases = T.alloc_local((per_lane,), "float32")
             keys = T.alloc_local((per_lane,), "uint32")
@@ -722,9 +642,6 @@ def router_kernel(
             best_slot = T.alloc_local((1,), "int32")
             chosen = T.alloc_local((1,), "uint32")
             chosen_groups = T.alloc_local((1,), "uint32")
-            pairs = T.alloc_local((per_lane,), "uint64")
-            spare = T.alloc_local((1,), "uint64")
-            order = T.alloc_local((1,), "uint32")
             ranked_key = T.alloc_local((results_per_lane,), "uint32")
             matches = T.alloc_local((6,), "uint32")
             fetched = T.alloc_local((per_lane,), "uint32")
@@ -771,18 +688,12 @@ def router_kernel(
                         is_fixed = T.cast(fixed[T.cast(token, "int64") * fixed_stride], "int32")
                     row = T.cast(token, "int64") * row_stride_vectors * vector
                     load_entries(logits, values, row, lane, row_entries, expert_stride, T.float32(0), per_lane, vector)
-                    not_finite = 0
-                    if lean_tail:
-                        # |x| > LARGEST_FINITE  <=>  bits << 1 > LARGEST_FINITE << 1 (the sign shifted out)
-                        bits_max = T.uint32(0)
-                        for i in T.unroll(per_lane):
-                            bits_max = T.max(bits_max, T.shift_left(T.reinterpret(values[i], "uint32"), T.uint32(1)))
-                        not_finite = T.cast(bits_max > T.uint32(LARGEST_FINITE_BITS << 1), "int32")
-                    else:
-                        for i in T.unroll(per_lane):
-                            magnitude = T.reinterpret(values[i], "uint32") & T.uint32(0x7FFFFFFF)
-                            if (lane * per_lane + i < num_experts) & (magnitude > T.uint32(LARGEST_FINITE_BITS)):
-                                not_finite = 1
+                    # |x| > LARGEST_FINITE  <=>  bits << 1 > LARGEST_FINITE << 1 (the sign shifted out);
+                    # the entries past the row were loaded as 0, which is finite.
+                    bits_max = T.uint32(0)
+                    for i in T.unroll(per_lane):
+                        bits_max = T.max(bits_max, T.shift_left(T.reinterpret(values[i], "uint32"), T.uint32(1)))
+                    not_finite = T.cast(bits_max > T.uint32(LARGEST_FINITE_BITS << 1), "int32")
                     T.device_assert(not_finite == 0, "top2_sum_gate: logits must be finite in every routed token")
                     if scoring == "softmax":
                         row_max = T.float32(float("-inf"))
@@ -801,12 +712,9 @@ def router_kernel(
                             if scoring == "softmax":
                                 ranking = values[i] + biases[i]
                             else:
-                                ranking = routing_score(values[i], row_max, exp_sum, scoring, reciprocal) + biases[i]
+                                ranking = routing_score(values[i], row_max, exp_sum, scoring) + biases[i]
                             present = lane * per_lane + i < row_entries
-                            if select_keys:
-                                key = select_ranking_key(ranking, scoring == "softmax")
-                            else:
-                                key = ranking_key(ranking)
+                            key = select_ranking_key(ranking, signed_zero=scoring == "softmax")
                             keys[i] = T.if_then_else(present, key, T.uint32(KEY_ABSENT))
                         if grouped:
                             limit_groups(
@@ -836,10 +744,6 @@ def router_kernel(
                                 per_lane,
                                 results_per_lane,
                             )
-                        elif sorted_lanes:
-                            select_top_sorted(
-                                keys, ranked, pairs, spare, order, lane, rounds, per_lane, results_per_lane
-                            )
                         else:
                             select_top(
                                 keys, ranked, chosen, best_key, best_slot, lane, rounds, per_lane, results_per_lane
@@ -859,16 +763,14 @@ def router_kernel(
                         chosen_scores[q] = T.float32(0)
                         if q * 32 + lane < num_topk:
                             chosen = logits[row + T.cast(ranked[q], "int64") * expert_stride]
-                            chosen_scores[q] = routing_score(chosen, row_max, exp_sum, scoring, reciprocal)
+                            chosen_scores[q] = routing_score(chosen, row_max, exp_sum, scoring)
                     den = T.float32(WEIGHT_EPSILON)
+                    # Left to right over the lanes in unrolled chunks of 8 shuffles: the lanes past k
+                    # hold a score of +0, and den + 0 == den for the positive den.
                     for q in T.unroll(results_per_lane):
-                        if lean_tail:
-                            for chunk in T.serial(T.ceildiv(T.min(32, num_topk - q * 32), 8)):
-                                for u in T.unroll(8):
-                                    den = den + T.shfl_sync(chosen_scores[q], chunk * 8 + u)
-                        else:
-                            for source in T.serial(T.min(32, num_topk - q * 32)):
-                                den = den + T.shfl_sync(chosen_scores[q], source)
+                        for chunk in T.serial(T.ceildiv(T.min(32, num_topk - q * 32), 8)):
+                            for u in T.unroll(8):
+                                den = den + T.shfl_sync(chosen_scores[q], chunk * 8 + u)
                     for q in T.unroll(results_per_lane):
                         slot = q * 32 + lane
                         if slot < slots:
@@ -1102,8 +1004,6 @@ def top2_sum_gate(
         group_size,
         ceil_div(slots, 32),
         warps=WARPS,
-        sorted_lanes=True,
-        lean_tail=True,
         full_rows=num_routed == 32 * per_lane,
     )
     if compiling_only():
