@@ -218,7 +218,9 @@ def order_keys(keys, i: int, j: int):
 
 
 @T.macro
-def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches, lane, rounds, per_lane: int, results_per_lane: int):
+def select_top_keys(
+    keys, stash, stash_row, fetched, ranked, ranked_key, matches, lane, rounds, per_lane: int, results_per_lane: int
+):
     """Same results as ``select_top`` for ``per_lane`` in ``SORTED_LANE_WIDTHS``, with 32-bit work:
     each lane sorts its keys alone (no slots: ``max``/``min`` per comparator), a round takes the
     warp's best head and the smallest lane holding it (its entries precede every later lane's), and
@@ -290,9 +292,7 @@ def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches
         before_source = T.if_then_else(lane == 0, matches[2], matches[4])
         before_key = T.if_then_else(lane == 0, matches[3], matches[5])
         # A rank past ``rounds`` starts a run of its own, so that it has no occurrences to skip.
-        starts = T.cast(
-            T.ballot((before_source != source) | (before_key != key) | (q * 32 + lane >= rounds)), "uint32"
-        )
+        starts = T.cast(T.ballot((before_source != source) | (before_key != key) | (q * 32 + lane >= rounds)), "uint32")
         # Run starts at or below this lane (bits 0..lane): the run's first rank is the highest, at
         # 31 - clz; with none (clz == 32) the run continues from the previous register.
         leading = T.cast(T.clz(starts & T.shift_right(T.uint32(0xFFFFFFFF), T.cast(31 - lane, "uint32"))), "int32")
@@ -302,7 +302,7 @@ def select_top_keys(keys, stash, stash_row, fetched, ranked, ranked_key, matches
         matches[0] = T.uint32(0)
         for i in T.unroll(per_lane):
             matches[0] = matches[0] | T.if_then_else(fetched[i] == key, T.uint32(1 << i), T.uint32(0))
-        for t in T.serial(earlier):
+        for _skipped in T.serial(earlier):
             matches[0] = matches[0] & (matches[0] - T.uint32(1))
         if results_per_lane > 1:
             matches[1] = T.cast(T.shfl_sync(earlier, 31), "uint32")
