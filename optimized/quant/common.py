@@ -86,22 +86,24 @@ def e2m1_code(y):
     ``RNE(a) + 2`` on [2, 4), ``RNE(a/2) + 4`` on [4, 8). Each candidate ``c_k = RNE(a·2^(1-k)) + 2k``
     is one FMA against the magic ``2^23 + 2k`` (the product by a power of two is exact, and at 2^23
     the fp32 spacing is 1, so the add rounds to the nearest integer, ties to even). The candidates
-    are ordered so that the right binade's one is the smallest, hence ``code = min(c0, c1, c2, 7)``;
-    fminf drops NaN, so NaN and ±Inf land on 7 (6.0) as the contract wants. About 8 instructions
-    instead of a 7-threshold compare chain; exhaustively checked against ``reference.quant``.
+    are ordered so that the right binade's one is the smallest, hence ``code = min(c0, c1, c2, 7)``.
+    The candidates are positive floats, +Inf, or (from a NaN y: NVIDIA's fp32 arithmetic yields the
+    canonical NaN 0x7FFFFFFF) NaN, and positive floats order as their bits with NaN above +Inf: so
+    the minimum is taken on the bits (one three-input and one two-input integer min instead of three
+    float mins), and NaN and ±Inf land on the cap 7 (6.0) as the contract wants. The sign of y moves
+    from bit 31 to bit 3: ``bits(y) >> 28`` holds only bits 0-3, so one LOP3 merges it with the
+    magnitude's 3 bits. About 7 instructions; exhaustively checked against ``reference.quant``.
     """
     a = T.abs(y)
     magic = 8388608.0  # 2^23
-    candidate_0 = a * T.float32(2.0) + T.float32(magic)
-    candidate_1 = a + T.float32(magic + 2.0)
-    candidate_2 = a * T.float32(0.5) + T.float32(magic + 4.0)
-    smallest = T.min(T.min(candidate_0, candidate_1), T.min(candidate_2, T.float32(magic + 7.0)))
-    code = T.reinterpret(smallest, "uint32") & 0xF
-    # A NaN y here comes out of an fp32 multiply, which on NVIDIA GPUs yields the canonical NaN
-    # 0x7FFFFFFF (sign clear), so NaN encodes as +6 like the reference asks; the oracle's NaN/Inf
-    # cases check this on the device.
-    sign = (T.reinterpret(y, "uint32") >> 31) << 3
-    return code | sign
+    candidate_0 = T.reinterpret(a * T.float32(2.0) + T.float32(magic), "uint32")
+    candidate_1 = T.reinterpret(a + T.float32(magic + 2.0), "uint32")
+    candidate_2 = T.reinterpret(a * T.float32(0.5) + T.float32(magic + 4.0), "uint32")
+    cap = T.uint32(0x4B000007)  # bits of 2^23 + 7
+    smallest = T.min(T.min(T.min(candidate_0, candidate_1), candidate_2), cap)
+    # A NaN y here comes out of an fp32 multiply (canonical NaN, sign clear), so NaN encodes as +6
+    # like the reference asks; the oracle's NaN/Inf cases check this on the device.
+    return (smallest & T.uint32(7)) | ((T.reinterpret(y, "uint32") >> 28) & T.uint32(0xFFFFFFF8))
 
 
 def e2m1_value(code):
