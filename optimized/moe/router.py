@@ -6,7 +6,8 @@ as the reference's docstring states (the scores use the GPU's ``expf``, ``log1pf
 exactly the functions PyTorch's CUDA kernels call, so sigmoid and sqrt-softplus weights carry
 PyTorch's bits, which the GPU tests require; the softmax denominator is summed in another order).
 
-Kernel design (one warp per token row, the row in registers, no shared memory, no barrier):
+Kernel design (one warp per token row, the row in registers; shared memory only for the router's
+warp-private key stash):
 
 - **Layout**: lane ``l`` holds the ``n`` consecutive entries ``l·n .. l·n + n - 1`` of its row
   (``n = per_lane``, static: a few compiled configurations cover every width up to ``32·32``),
