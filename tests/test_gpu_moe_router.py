@@ -188,6 +188,24 @@ def test_top2_sum_gate_reads_strided_inputs():
     _assert_same(buffers[1], buffers[0], "unmapped_topk_idx")
 
 
+@pytest.mark.parametrize("lowered", [1, 3, 5])
+@pytest.mark.parametrize("k", [33, 40, 47])
+def test_top2_sum_gate_ties_that_run_across_the_output_registers(k, lowered):
+    """All scores equal but the first ``lowered`` experts', which rank last: one lane's equal keys
+    win ranks on both sides of rank 32, where the results move to a lane's second register (the
+    kernel counts a run of equal keys won by one lane across that boundary)."""
+    tokens, experts = 5, 256
+    logits = torch.zeros(tokens, experts)
+    logits[:, :lowered] = -1.0
+    logits, bias = logits.to(DEVICE), torch.zeros(experts, device=DEVICE)
+    args = (k, 1, 1, False, 0, 1.0, 0, 1, 0, 1, "sigmoid")
+    expected = reference.top2_sum_gate(logits, bias, *args)
+    with poison_outputs():
+        actual = _optimized().top2_sum_gate(logits, bias, *args)
+    _assert_same(actual[0], expected[0], "topk_idx")
+    _assert_same(actual[1], expected[1], "topk_weights")
+
+
 # --- grid independence and argument checks ------------------------------------------------------
 
 
