@@ -829,3 +829,21 @@ def test_masked_tokens_are_not_read():
     assert idx[1].tolist() == [-1, -1] and weights[1].tolist() == [0.0, 0.0]
     assert unmapped.tolist() == [[0, 0], [-1, -1], [0, 0], [0, 0]]
     assert weights[0].tolist() == [0.5, 0.5]  # the fixed row [0, 0]: twice sigmoid(0) over its double
+
+
+@pytest.mark.parametrize("scoring_func", ["sigmoid", "sqrtsoftplus"])
+def test_router_rankings_of_bounded_scores_are_never_negative_zero(scoring_func):
+    """The optimized router skips the ``-0 → +0`` step of its ranking keys for these two scoring
+    functions: their scores are ``>= +0`` and a sum is ``-0`` only when both terms are. Finite
+    logits from the extremes through the subnormals, biases including ``-0``."""
+    big = torch.finfo(torch.float32).max
+    tiny = torch.finfo(torch.float32).smallest_normal
+    logits = torch.tensor(
+        [-big, -1e30, -1000.0, -104.0, -88.8, -20.0, -tiny, -1e-45, -0.0, 0.0, 1e-45, 20.0, 21.0, big]
+    )
+    bias = torch.tensor([-0.0, 0.0, -1.0, 1.0, -1e-45, -big])
+    scores = rm._scores_from_logits(logits.unsqueeze(0), scoring_func).squeeze(0)
+    assert bool((scores >= 0).all())
+    ranking = scores.unsqueeze(1) + bias.unsqueeze(0)
+    negative_zero = (ranking == 0) & torch.signbit(ranking)
+    assert not bool(negative_zero.any()), ranking[negative_zero]
