@@ -88,26 +88,16 @@ NO_INDEX = 0xFFFFFFFF
 # ---------------------------------------------------------------------------------------------
 
 
-def ranking_key(value):
-    """fp32 → uint32 whose unsigned order is the contract's ranking order (see the module docstring)."""
+def ranking_key(value, signed_zero: bool = True):
+    """fp32 → uint32 whose unsigned order is the contract's ranking order (see the module docstring).
+    ``signed_zero=False`` skips the −0 step for values that are never −0 (a sigmoid or sqrt-softplus
+    score plus a bias: the score is ≥ +0, and a sum is −0 only when both terms are)."""
     bits = T.reinterpret(value, "uint32")
     # The arithmetic shift spreads the sign: all ones for a negative number, then one XOR.
     sign_spread = T.reinterpret(T.shift_right(T.reinterpret(value, "int32"), 31), "uint32")
     ordered = bits ^ (sign_spread | T.uint32(SIGN_BIT))
-    # -0 is 0x80000000, whose ordered form 0x7FFFFFFF sits just below +0's 0x80000000: a tie instead.
-    ordered = T.if_then_else(ordered == T.uint32(SIGN_BIT - 1), T.uint32(SIGN_BIT), ordered)
-    is_nan = (bits & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000)
-    return T.if_then_else(is_nan, T.uint32(KEY_NAN), ordered)
-
-
-def select_ranking_key(value, signed_zero: bool):
-    """``ranking_key`` written with selects only (no branch the compiler would take per entry);
-    ``signed_zero=False`` for values that are never −0 (a sigmoid or sqrt-softplus score plus a
-    bias: the score is ≥ +0, and a sum is −0 only when both terms are)."""
-    bits = T.reinterpret(value, "uint32")
-    sign_spread = T.reinterpret(T.shift_right(T.reinterpret(value, "int32"), 31), "uint32")
-    ordered = bits ^ (sign_spread | T.uint32(SIGN_BIT))
     if signed_zero:
+        # -0 is 0x80000000, whose ordered form 0x7FFFFFFF sits just below +0's 0x80000000: a tie instead.
         ordered = T.if_then_else(ordered == T.uint32(SIGN_BIT - 1), T.uint32(SIGN_BIT), ordered)
     is_nan = (bits & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000)
     return T.if_then_else(is_nan, T.uint32(KEY_NAN), ordered)
@@ -192,22 +182,8 @@ def store_ranked(out, ranked, row, lane, rounds, results_per_lane: int):
             out[row + q * 32 + lane] = T.cast(ranked[q], "int64")
 
 
-# Optimal sorting networks (Knuth) for ``select_top_keys``: (i, j) puts the larger of positions
-# i < j at i. 19 comparators for 8 entries.
-SORT_NETWORKS = {
-    1: (),
-    2: ((0, 1),),
-    4: ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2)),
-    8: (
-        (0, 2), (1, 3), (4, 6), (5, 7),
-        (0, 4), (1, 5), (2, 6), (3, 7),
-        (0, 1), (2, 3), (4, 5), (6, 7),
-        (2, 4), (3, 5),
-        (1, 4), (3, 6),
-        (1, 2), (3, 4), (5, 6),
-    ),
-}  # fmt: skip
-SORTED_LANE_WIDTHS = tuple(SORT_NETWORKS)
+# Lane widths with a sorting network in ``select_top_keys`` (the others use ``select_top``).
+SORTED_LANE_WIDTHS = (1, 2, 4, 8)
 
 
 @T.macro
@@ -236,7 +212,8 @@ def select_top_keys(
     # __syncthreads at the kernel's start, before any work, which costs nothing measurable.)
     for i in T.vectorized(per_lane):
         stash[stash_row + lane * per_lane + i] = keys[i]
-    # The networks of SORT_NETWORKS, written out (the macro parser unrolls no Python loops).
+    # Optimal sorting networks (Knuth; 5 comparators for 4 entries, 19 for 8), written out: the macro
+    # parser unrolls no Python loops. order_keys(i, j) puts the larger of positions i < j at i.
     if per_lane == 2:
         order_keys(keys, 0, 1)
     if per_lane == 4:
@@ -715,7 +692,7 @@ def router_kernel(
                             else:
                                 ranking = routing_score(values[i], row_max, exp_sum, scoring) + biases[i]
                             present = lane * per_lane + i < row_entries
-                            key = select_ranking_key(ranking, signed_zero=scoring == "softmax")
+                            key = ranking_key(ranking, signed_zero=scoring == "softmax")
                             keys[i] = T.if_then_else(present, key, T.uint32(KEY_ABSENT))
                         if grouped:
                             limit_groups(
