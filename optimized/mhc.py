@@ -424,8 +424,6 @@ def sinkhorn_normalize_bwd(
 
 
 # ---------------------------------------------------------------------------------------------
-# Sinkhorn backward: 64 threads keep a CTA's checkpoints at 24 KB for R = 20 (n = 4).
-SINKHORN_BWD_THREADS = 64
 # Stream kernels: pre-apply, post, expand (bf16 vectors of channels)
 # ---------------------------------------------------------------------------------------------
 

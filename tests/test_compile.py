@@ -296,6 +296,31 @@ def test_direct_launch_calls_the_executable_of_kernels_that_allocate_nothing():
     assert calls == [("executable", (1, 2)), ("adapter", (3,))]
 
 
+def test_direct_launch_calls_the_main_function_of_a_tvm_executable_once_found():
+    """TVM's ``Executable.__call__`` looks ``main`` up in its jitted module on every call: the
+    launch finds it once and calls it straight (same function, same arguments)."""
+    from types import SimpleNamespace
+
+    from tileproof.optimized import jit
+
+    calls, lookups = [], []
+
+    class Executable:
+        def jit(self):
+            lookups.append("jit")
+            return SimpleNamespace(main=lambda *args: calls.append(("main", args)))
+
+        def __call__(self, *args):
+            calls.append(("executable", args))
+
+    executable = Executable()
+    kernel = SimpleNamespace(adapter=SimpleNamespace(result_idx=None, _get_executable=lambda: executable))
+    launch = jit.DirectLaunch(kernel)
+    launch(1, 2)
+    launch(3)
+    assert calls == [("main", (1, 2)), ("main", (3,))] and lookups == ["jit"]
+
+
 def test_a_cold_kernel_inside_a_cuda_graph_capture_says_how_to_warm_it(monkeypatch):
     import torch
 
