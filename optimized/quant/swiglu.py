@@ -398,12 +398,18 @@ def swiglu_per_token_kernel(
         the staging ring (the caller commits them as one group per task), or loads into registers (a
         column past H reads as zeros)."""
         x_row = T.cast(row, "int64") * row_stride_vectors * words
+        # The copies' offsets in int32 registers (a local buffer: TileLang would widen an int32 index
+        # expression of runtime products to 64 bits, a dozen instructions per copy); the launcher
+        # refuses tensors of 2^31 elements or more (jit.DirectLaunch), so they cannot overflow.
+        copy_offset = T.alloc_local((2,), "int32")
         for r in T.unroll(units_per_thread):
             unit = part * units_per_task + r * threads_per_row + thread_in_group
             for v in T.unroll(loads_per_unit):
                 column = unit * loads_per_unit + v
                 if in_shared:
                     if column < hidden_vectors:
+                        copy_offset[0] = row * row_stride_vectors * words + column * words
+                        copy_offset[1] = copy_offset[0] + hidden_vectors * words
                         for half in T.unroll(2):
                             # An extern call: TileLang's barrier planner would see the copy as a write
                             # by any thread and fence every read of the ring with a __syncthreads.
@@ -411,7 +417,7 @@ def swiglu_per_token_kernel(
                                 "handle",
                                 f"tl::cp_async_gs<{4 * words}>",
                                 T.address_of(staged[staged_offset(slot, r, half, v, tx)]),
-                                T.address_of(x[x_row + (half * hidden_vectors + column) * words]),
+                                T.address_of(x[copy_offset[half]]),
                             )
                 elif column < hidden_vectors:
                     for w in T.vectorized(words):
@@ -466,6 +472,7 @@ def swiglu_per_token_kernel(
         unit_amax,
         counts,
         fast: bool,
+        weighted: bool = True,
     ):
         """``acts[r, :]`` and ``unit_amax[r]`` (abs bits: an integer max ranks NaN above Inf, so NaN
         propagates as in the reference) of one unit. ``fast``: every gate is in the fast window, its
@@ -479,7 +486,12 @@ def swiglu_per_token_kernel(
                 silu[0] = T.reinterpret(table[hot_entry(lanes[e // 2], e % 2)], "float32")
                 if clamp:
                     silu[0] = T.if_then_else(gate > clamp_value, silu_clamp[0], silu[0])
-                element[0] = silu[0] * clamped_up(up, clamp_value, clamp) * weight[0]
+                if weighted:
+                    element[0] = silu[0] * clamped_up(up, clamp_value, clamp) * weight[0]
+                else:
+                    # w = 1 (no routing weights): fl(x · 1) = x bit for bit (a NaN x, the canonical NaN
+                    # of the product before it, stays that NaN), so the multiply is dropped.
+                    element[0] = silu[0] * clamped_up(up, clamp_value, clamp)
             else:
                 swiglu_element(gate, up, weight[0], clamp_value, silu_clamp, table, silu, element, use_table, clamp)
             acts[r, e] = element[0]
@@ -611,6 +623,7 @@ def swiglu_per_token_kernel(
             weight = T.alloc_local((2,), "float32")  # of this task and of the next
             owner_block = T.alloc_local((1,), "int32")  # the block this lane owns, within a task
             kblock = T.alloc_local((1,), "int32")
+            store_column = T.alloc_local((1,), "int32")  # q_row + column, in stores
 
             threads_per_row = T.shift_left(1, group_shift)
             thread_in_group = tx & (threads_per_row - 1)
@@ -782,7 +795,7 @@ def swiglu_per_token_kernel(
                     row = T.shift_right(task[0], part_shift)
                     part = task[0] & part_mask
                     active = T.shift_right(active_bits[0], s) & 1
-                    q_row = T.cast(row, "int64") * hidden_stores
+                    q_row = row * hidden_stores
                     if in_shared:
                         T.call_extern("handle", f"tl::cp_async_wait<{stages - 1}>")
                         T.sync_warp()
@@ -805,70 +818,25 @@ def swiglu_per_token_kernel(
                                 )
                             unit_amax[r] = 0
                             buffer, held_unit = (0, 0) if in_shared else (s, r)
+                            unit_arguments = (held_gate, held_up, buffer, held_unit, r, lanes, exchange, weight)
+                            unit_arguments += (clamp_value, silu_clamp, silu, element, acts, unit_amax, counts)
                             if fast_path:
                                 # One subtraction per word tests the unit's gates against the fast
                                 # window; a unit with a gate outside it (rare in activations) takes
-                                # the general path, out of line.
+                                # the general path, out of line. Without routing weights (w = 1) the
+                                # fast path skips the multiply by w (a uniform branch).
                                 for j in T.unroll(held):
                                     lanes[j] = hot_lanes(held_gate[buffer, held_unit, j])
                                 outside = reduce(operator.or_, [lanes[j] for j in range(held)])
                                 if (outside & T.uint32(HOT_OUTSIDE_BITS)) == T.uint32(0):
-                                    unit_activation(
-                                        held_gate,
-                                        held_up,
-                                        buffer,
-                                        held_unit,
-                                        r,
-                                        lanes,
-                                        exchange,
-                                        weight,
-                                        clamp_value,
-                                        silu_clamp,
-                                        silu,
-                                        element,
-                                        acts,
-                                        unit_amax,
-                                        counts,
-                                        True,
-                                    )
+                                    if has_weights == 0:
+                                        unit_activation(*unit_arguments, True, False)
+                                    else:
+                                        unit_activation(*unit_arguments, True, True)
                                 else:
-                                    unit_activation(
-                                        held_gate,
-                                        held_up,
-                                        buffer,
-                                        held_unit,
-                                        r,
-                                        lanes,
-                                        exchange,
-                                        weight,
-                                        clamp_value,
-                                        silu_clamp,
-                                        silu,
-                                        element,
-                                        acts,
-                                        unit_amax,
-                                        counts,
-                                        False,
-                                    )
+                                    unit_activation(*unit_arguments, False)
                             else:
-                                unit_activation(
-                                    held_gate,
-                                    held_up,
-                                    buffer,
-                                    held_unit,
-                                    r,
-                                    lanes,
-                                    exchange,
-                                    weight,
-                                    clamp_value,
-                                    silu_clamp,
-                                    silu,
-                                    element,
-                                    acts,
-                                    unit_amax,
-                                    counts,
-                                    False,
-                                )
+                                unit_activation(*unit_arguments, False)
 
                     # 5. Scales: per 1×128 block (lanes of one warp) or per row (the row group's warps).
                     if not activation_only:
@@ -930,11 +898,20 @@ def swiglu_per_token_kernel(
                                             q[(q_row + column) * store_vector + e] = T.cast(
                                                 acts[r, s_store * store_vector + e], "bfloat16"
                                             )
+                                    elif fmt is E4M3:
+                                        # store_encoded_vector's e4m3 case, its offset in an int32
+                                        # register as the copies' (issue_loads) and visibly a multiple
+                                        # of the vector (a macro argument would hide it: 8 byte stores).
+                                        store_column[0] = q_row + column
+                                        for e in T.vectorized(store_vector):
+                                            q[store_column[0] * store_bytes + e] = T.cast(
+                                                acts[r, s_store * store_vector + e] * unit_multiplier[r],
+                                                "float8_e4m3",
+                                            )
                                     else:
-                                        q_offset = (q_row + column) * store_bytes
                                         store_encoded_vector(
                                             q,
-                                            q_offset,
+                                            (q_row + column) * store_bytes,
                                             acts,
                                             r,
                                             s_store * store_vector,
