@@ -49,7 +49,7 @@ Kernel design (memory-bound: the computation must hide behind the loads):
   fallback: a unit whose 8 gates all lie in the window's top 32 binades [2^-25, 2^7) (the common
   case: activations are rarely below 2^-25 or above 128) reads each silu straight from its word
   (``hot_lanes``, ``hot_entry``: one subtraction per pair of gates tests the range and yields both
-  slots), about 10 instructions per element instead of 17; a unit with any other gate branches to the
+  slots), about 12 instructions per element instead of 17; a unit with any other gate branches to the
   general lookup, out of line (so a branch per unit, not per element). A clamped gate
   (``g = c``, an fp32 value) takes ``silu(c)``, computed once per thread. fp32 input always takes
   the direct path (2^32 gate values).
