@@ -45,12 +45,7 @@ Kernel design (memory-bound: the computation must hide behind the loads):
   to one slot past either end of the window, picks a word: the window's value or the end's factor
   ``f``, and ``silu = fl(g · f)`` at the ends: a shared-memory load and a few integer operations
   per element, with no branch (2.8 % of the oracle's gates, its special values, lie outside the
-  window: with 32 lanes a branch would diverge at almost every element). That general lookup is the
-  fallback: a unit whose 8 gates all lie in the window's top 32 binades [2^-25, 2^7) (the common
-  case: activations are rarely below 2^-25 or above 128) reads each silu straight from its word
-  (``hot_lanes``, ``hot_entry``: one subtraction per pair of gates tests the range and yields both
-  slots), about 12 instructions per element instead of 17; a unit with any other gate branches to the
-  general lookup, out of line (so a branch per unit, not per element). A clamped gate
+  window: with 32 lanes a branch would diverge at almost every element). A clamped gate
   (``g = c``, an fp32 value) takes ``silu(c)``, computed once per thread. fp32 input always takes
   the direct path (2^32 gate values).
 - **Routing and padding**: a task's ``pos_to_expert`` word is loaded a step before its loads are
@@ -75,8 +70,6 @@ and counts cost issue slots) and the schedule (``FORWARD_SCHEDULE`` by input dty
 row by ``_plan``).
 """
 
-import operator
-from functools import reduce
 from typing import NamedTuple
 
 import tilelang.language as T
@@ -168,15 +161,6 @@ TABLE_WINDOW = TABLE_HIGH - TABLE_LOW  # magnitudes per sign: 33 binades of 128
 SILU_SLOTS = TABLE_WINDOW + 2
 TABLE_WORDS = 2 * SILU_SLOTS
 
-# The fast path (``hot_lanes``, ``hot_entry``) covers the window's top 32 binades, [2^-25, 2^7): 4096
-# magnitudes, so that one subtraction per pair of gates both tests the range and yields the slot.
-# A 16-bit lane ``s·2^15 | m`` (sign s, magnitude m) minus HOT_LOW is ``s·2^15 | (m − HOT_LOW)``
-# with bits 12-14 clear exactly when HOT_LOW ≤ m < TABLE_HIGH (hot_lanes gives the proof).
-HOT_LOW = (127 - 25) << 7  # 2^-25
-HOT_BIAS = HOT_LOW * 0x10001  # HOT_LOW in both 16-bit lanes of a word
-HOT_OUTSIDE_BITS = 0x70007000  # bits 12-14 of each lane: set for a gate outside [HOT_LOW, TABLE_HIGH)
-HOT_FIRST_ENTRY = 2 * (1 + HOT_LOW - TABLE_LOW)  # the table word of silu(+2^-25)
-
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 ACTIVATION_ONLY = "bf16"  # the kernel's "format" that writes the bf16 activation instead of a cast
 
@@ -247,29 +231,6 @@ def silu_from_table(gate, table):
     return T.if_then_else(outside, gate * value, value)
 
 
-def hot_lanes(word):
-    """A word of two bf16 gates minus HOT_BIAS (uint32): per 16-bit lane ``s·2^15 | (m − HOT_LOW)``
-    for a gate of sign s and magnitude m in the fast window, so ``hot_entry`` reads its slot.
-
-    A lane's bits 12-14 (HOT_OUTSIDE_BITS) are clear exactly when both gates are in the window:
-    m < HOT_LOW gives ``2^15 + m − HOT_LOW`` (s = 1) or, borrowing from the high lane, ``2^16 + m −
-    HOT_LOW`` (s = 0), both in [0x4CFF, 0xFFFF]; m ≥ TABLE_HIGH gives m − HOT_LOW in [0x1000, 0x4CFF]
-    (plus 2^15 for s = 1). A borrow moves the high lane by one only when the low lane is already
-    flagged, so the OR of a unit's words flags the unit exactly when one of its gates is outside
-    (tests/test_optimized_swiglu_table.py checks every pair of lanes)."""
-    return T.reinterpret(word, "uint32") - T.uint32(HOT_BIAS)
-
-
-def hot_entry(lanes, half):
-    """The table word of a fast-window gate from its ``hot_lanes`` lane (``half`` 0: low, 1: high; an
-    unrolled loop's expression): ``HOT_FIRST_ENTRY + 2·(m − HOT_LOW) + s``, the word
-    ``silu_from_table`` reads for that gate (layout at TABLE_LOW: slot 1 + m − TABLE_LOW, sign in bit 0)."""
-    sign_and_slot = T.shift_right(lanes, T.uint32(15))  # low lane: its sign in bit 0; high lane: its 2·slot
-    low = T.shift_left(lanes & T.uint32(0xFFF), T.uint32(1)) | (sign_and_slot & T.uint32(1))
-    high = (sign_and_slot & T.uint32(0x1FFE)) | T.shift_right(lanes, T.uint32(31))
-    return T.cast(T.if_then_else(half == 0, low, high), "int32") + HOT_FIRST_ENTRY
-
-
 @T.macro
 def gate_silu(gate, clamp_value, silu_clamp, table, silu, use_table: bool, clamp: bool):
     """``silu[0] = silu(g')`` for the clamped gate g' of the *unclamped* gate ``g``: ``silu(c)``
@@ -335,7 +296,6 @@ def swiglu_per_token_kernel(
     value_dtype = "int32" if as_words else "float32"
     x_dtype = "int32" if as_words else in_dtype
     use_table = in_dtype == "bfloat16"
-    fast_path = use_table and as_words  # gates held as bf16 pairs: the fast window's packed test
     in_shared = staging == STAGING_SHARED
     if in_shared and not as_words:
         raise ValueError(f"staging {STAGING_SHARED!r} copies 32-bit words, got loads of {vector} {in_dtype} value")
@@ -398,18 +358,12 @@ def swiglu_per_token_kernel(
         the staging ring (the caller commits them as one group per task), or loads into registers (a
         column past H reads as zeros)."""
         x_row = T.cast(row, "int64") * row_stride_vectors * words
-        # The copies' offsets in int32 registers (a local buffer: TileLang would widen an int32 index
-        # expression of runtime products to 64 bits, a dozen instructions per copy); the launcher
-        # refuses tensors of 2^31 elements or more (jit.DirectLaunch), so they cannot overflow.
-        copy_offset = T.alloc_local((2,), "int32")
         for r in T.unroll(units_per_thread):
             unit = part * units_per_task + r * threads_per_row + thread_in_group
             for v in T.unroll(loads_per_unit):
                 column = unit * loads_per_unit + v
                 if in_shared:
                     if column < hidden_vectors:
-                        copy_offset[0] = row * row_stride_vectors * words + column * words
-                        copy_offset[1] = copy_offset[0] + hidden_vectors * words
                         for half in T.unroll(2):
                             # An extern call: TileLang's barrier planner would see the copy as a write
                             # by any thread and fence every read of the ring with a __syncthreads.
@@ -417,7 +371,7 @@ def swiglu_per_token_kernel(
                                 "handle",
                                 f"tl::cp_async_gs<{4 * words}>",
                                 T.address_of(staged[staged_offset(slot, r, half, v, tx)]),
-                                T.address_of(x[copy_offset[half]]),
+                                T.address_of(x[x_row + (half * hidden_vectors + column) * words]),
                             )
                 elif column < hidden_vectors:
                     for w in T.vectorized(words):
@@ -453,50 +407,6 @@ def swiglu_per_token_kernel(
                     held_gate[0, 0, v * words + w] = T.cast(0, value_dtype)
                 for w in T.vectorized(words):
                     held_up[0, 0, v * words + w] = T.cast(0, value_dtype)
-
-    @T.macro
-    def unit_activation(
-        held_gate,
-        held_up,
-        buffer,
-        held_unit,
-        r,
-        lanes,
-        table,
-        weight,
-        clamp_value,
-        silu_clamp,
-        silu,
-        element,
-        acts,
-        unit_amax,
-        counts,
-        fast: bool,
-        weighted: bool = True,
-    ):
-        """``acts[r, :]`` and ``unit_amax[r]`` (abs bits: an integer max ranks NaN above Inf, so NaN
-        propagates as in the reference) of one unit. ``fast``: every gate is in the fast window, its
-        silu one table word at ``hot_entry`` of its ``lanes`` lane; else ``swiglu_element``."""
-        for e in T.unroll(chunk):
-            gate = element_value(held_gate, buffer, held_unit, e)
-            up = element_value(held_up, buffer, held_unit, e)
-            if clamp:
-                count_clamps(gate, up, clamp_value, counts)
-            if fast:
-                silu[0] = T.reinterpret(table[hot_entry(lanes[e // 2], e % 2)], "float32")
-                if clamp:
-                    silu[0] = T.if_then_else(gate > clamp_value, silu_clamp[0], silu[0])
-                if weighted:
-                    element[0] = silu[0] * clamped_up(up, clamp_value, clamp) * weight[0]
-                else:
-                    # w = 1 (no routing weights): fl(x · 1) = x bit for bit (a NaN x, the canonical NaN
-                    # of the product before it, stays that NaN), so the multiply is dropped.
-                    element[0] = silu[0] * clamped_up(up, clamp_value, clamp)
-            else:
-                swiglu_element(gate, up, weight[0], clamp_value, silu_clamp, table, silu, element, use_table, clamp)
-            acts[r, e] = element[0]
-            if not activation_only:
-                unit_amax[r] = T.max(unit_amax[r], float_bits_abs(element[0]))
 
     @T.macro
     def load_expert_word(expert_map, task, part_shift, num_rows, has_padding, expert_stride, expert_offset, word, slot):
@@ -613,7 +523,6 @@ def swiglu_per_token_kernel(
             counts = T.alloc_local((CLAMP_COUNTERS,), "int32")
             silu_clamp = T.alloc_local((1,), "float32")
             silu = T.alloc_local((1,), "float32")
-            lanes = T.alloc_local((held,), "uint32")  # hot_lanes of the unit's gate words
             element = T.alloc_local((1,), "float32")
             group_amax = T.alloc_local((1,), "int32")
             task = T.alloc_local((1,), "int32")  # the task computed in this step (row << part_shift | part)
@@ -623,7 +532,6 @@ def swiglu_per_token_kernel(
             weight = T.alloc_local((2,), "float32")  # of this task and of the next
             owner_block = T.alloc_local((1,), "int32")  # the block this lane owns, within a task
             kblock = T.alloc_local((1,), "int32")
-            store_column = T.alloc_local((1,), "int32")  # q_row + column, in stores
 
             threads_per_row = T.shift_left(1, group_shift)
             thread_in_group = tx & (threads_per_row - 1)
@@ -795,7 +703,7 @@ def swiglu_per_token_kernel(
                     row = T.shift_right(task[0], part_shift)
                     part = task[0] & part_mask
                     active = T.shift_right(active_bits[0], s) & 1
-                    q_row = row * hidden_stores
+                    q_row = T.cast(row, "int64") * hidden_stores
                     if in_shared:
                         T.call_extern("handle", f"tl::cp_async_wait<{stages - 1}>")
                         T.sync_warp()
@@ -817,26 +725,26 @@ def swiglu_per_token_kernel(
                                     hidden_vectors,
                                 )
                             unit_amax[r] = 0
-                            buffer, held_unit = (0, 0) if in_shared else (s, r)
-                            unit_arguments = (held_gate, held_up, buffer, held_unit, r, lanes, exchange, weight)
-                            unit_arguments += (clamp_value, silu_clamp, silu, element, acts, unit_amax, counts)
-                            if fast_path:
-                                # One subtraction per word tests the unit's gates against the fast
-                                # window; a unit with a gate outside it (rare in activations) takes
-                                # the general path, out of line. Without routing weights (w = 1) the
-                                # fast path skips the multiply by w (a uniform branch).
-                                for j in T.unroll(held):
-                                    lanes[j] = hot_lanes(held_gate[buffer, held_unit, j])
-                                outside = reduce(operator.or_, [lanes[j] for j in range(held)])
-                                if (outside & T.uint32(HOT_OUTSIDE_BITS)) == T.uint32(0):
-                                    if has_weights == 0:
-                                        unit_activation(*unit_arguments, True, False)
-                                    else:
-                                        unit_activation(*unit_arguments, True, True)
-                                else:
-                                    unit_activation(*unit_arguments, False)
-                            else:
-                                unit_activation(*unit_arguments, False)
+                            for e in T.unroll(chunk):
+                                gate = element_value(held_gate, 0 if in_shared else s, 0 if in_shared else r, e)
+                                up = element_value(held_up, 0 if in_shared else s, 0 if in_shared else r, e)
+                                if clamp:
+                                    count_clamps(gate, up, clamp_value, counts)
+                                swiglu_element(
+                                    gate,
+                                    up,
+                                    weight[0],
+                                    clamp_value,
+                                    silu_clamp,
+                                    exchange,
+                                    silu,
+                                    element,
+                                    use_table,
+                                    clamp,
+                                )
+                                acts[r, e] = element[0]
+                                if not activation_only:
+                                    unit_amax[r] = T.max(unit_amax[r], float_bits_abs(element[0]))
 
                     # 5. Scales: per 1×128 block (lanes of one warp) or per row (the row group's warps).
                     if not activation_only:
@@ -898,20 +806,11 @@ def swiglu_per_token_kernel(
                                             q[(q_row + column) * store_vector + e] = T.cast(
                                                 acts[r, s_store * store_vector + e], "bfloat16"
                                             )
-                                    elif fmt is E4M3:
-                                        # store_encoded_vector's e4m3 case, its offset in an int32
-                                        # register as the copies' (issue_loads) and visibly a multiple
-                                        # of the vector (a macro argument would hide it: 8 byte stores).
-                                        store_column[0] = q_row + column
-                                        for e in T.vectorized(store_vector):
-                                            q[store_column[0] * store_bytes + e] = T.cast(
-                                                acts[r, s_store * store_vector + e] * unit_multiplier[r],
-                                                "float8_e4m3",
-                                            )
                                     else:
+                                        q_offset = (q_row + column) * store_bytes
                                         store_encoded_vector(
                                             q,
-                                            (q_row + column) * store_bytes,
+                                            q_offset,
                                             acts,
                                             r,
                                             s_store * store_vector,
