@@ -79,31 +79,76 @@ def scale_from_ue8m0(byte):
     return T.reinterpret(T.if_then_else(byte == T.uint8(UE8M0_NAN), T.uint32(0x7FC00000), bits), "float32")
 
 
-def e2m1_code(y):
-    """fp32 → 4-bit e2m1 code as uint32: round to nearest even, saturating at 6, sign kept.
+E2M1_MAGIC = 8388608.0  # 2^23: from here up to 2^24 the fp32 spacing is 1
+E2M1_MAGIC_BITS = 0x4B000000  # bits of E2M1_MAGIC; 2^23 + n has the bits E2M1_MAGIC_BITS + n
+E2M1_SIGN_NIBBLE_BITS = 0x88888888  # bit 3 of every nibble: the sign bits of eight packed codes
+
+
+def e2m1_magnitude_bits(y, saturate: bool = True):
+    """fp32 → ``E2M1_MAGIC_BITS + c`` (uint32), ``c`` the 3-bit e2m1 code of ``|y|``: round to nearest
+    even, saturating at 6 (code 7).
 
     With ``a = |y|``, the code of each binade is a plain integer rounding: ``RNE(2a)`` on [0, 2),
     ``RNE(a) + 2`` on [2, 4), ``RNE(a/2) + 4`` on [4, 8). Each candidate ``c_k = RNE(a·2^(1-k)) + 2k``
     is one FMA against the magic ``2^23 + 2k`` (the product by a power of two is exact, and at 2^23
     the fp32 spacing is 1, so the add rounds to the nearest integer, ties to even). The candidates
-    are ordered so that the right binade's one is the smallest, hence ``code = min(c0, c1, c2, 7)``.
+    are ordered so that the right binade's one is the smallest, hence ``c = min(c0, c1, c2, 7)``.
     The candidates are positive floats, +Inf, or (from a NaN y: NVIDIA's fp32 arithmetic yields the
     canonical NaN 0x7FFFFFFF) NaN, and positive floats order as their bits with NaN above +Inf: so
     the minimum is taken on the bits (one three-input and one two-input integer min instead of three
-    float mins), and NaN and ±Inf land on the cap 7 (6.0) as the contract wants. The sign of y moves
-    from bit 31 to bit 3: ``bits(y) >> 28`` holds only bits 0-3, so one LOP3 merges it with the
-    magnitude's 3 bits. About 7 instructions; exhaustively checked against ``reference.quant``.
+    float mins), and NaN and ±Inf land on the cap 7 (6.0) as the contract wants.
+
+    ``saturate=False`` leaves out the cap, one instruction: only for ``|y| < 7``, where ``c2 <= 7``
+    already (a block whose scale came from its own finite amax: ``|y| <= 6·(1 + 2^-22)``).
+    Modelled instruction by instruction and checked against ``reference.quant`` for all 2^32 fp32
+    inputs by ``tests/test_e2m1_encoder_model.py`` (run as a script; its tests take a sample).
     """
     a = T.abs(y)
-    magic = 8388608.0  # 2^23
-    candidate_0 = T.reinterpret(a * T.float32(2.0) + T.float32(magic), "uint32")
-    candidate_1 = T.reinterpret(a + T.float32(magic + 2.0), "uint32")
-    candidate_2 = T.reinterpret(a * T.float32(0.5) + T.float32(magic + 4.0), "uint32")
-    cap = T.uint32(0x4B000007)  # bits of 2^23 + 7
-    smallest = T.min(T.min(T.min(candidate_0, candidate_1), candidate_2), cap)
-    # A NaN y here comes out of an fp32 multiply (canonical NaN, sign clear), so NaN encodes as +6
-    # like the reference asks; the oracle's NaN/Inf cases check this on the device.
+    candidate_0 = T.reinterpret(a * T.float32(2.0) + T.float32(E2M1_MAGIC), "uint32")
+    candidate_1 = T.reinterpret(a + T.float32(E2M1_MAGIC + 2.0), "uint32")
+    candidate_2 = T.reinterpret(a * T.float32(0.5) + T.float32(E2M1_MAGIC + 4.0), "uint32")
+    smallest = T.min(T.min(candidate_0, candidate_1), candidate_2)
+    return T.min(smallest, T.uint32(E2M1_MAGIC_BITS + 7)) if saturate else smallest
+
+
+def e2m1_code(y):
+    """fp32 → 4-bit e2m1 code as uint32: ``e2m1_magnitude_bits``'s code, and the sign of y moved
+    from bit 31 to bit 3: ``bits(y) >> 28`` holds only bits 0-3, so one LOP3 merges it with the
+    magnitude's 3 bits. About 7 instructions; exhaustively checked (``tests/test_e2m1_encoder_model.py``).
+    A NaN y here comes out of an fp32 multiply (canonical NaN, sign clear), so NaN encodes as +6
+    like the reference asks; the oracle's NaN/Inf cases check this on the device."""
+    smallest = e2m1_magnitude_bits(y)
     return (smallest & T.uint32(7)) | ((T.reinterpret(y, "uint32") >> 28) & T.uint32(0xFFFFFFF8))
+
+
+def e2m1_magnitude_sum_excess(count: int) -> int:
+    """What ``Σ_i e2m1_magnitude_bits(y_i) · 16^i`` (uint32, i < count) holds beyond the packed codes
+    ``Σ_i c_i · 16^i``: ``Σ_i E2M1_MAGIC_BITS · 16^i`` mod 2^32 (0xFB000000 for eight codes). The
+    magic's bits all sit at or above bit 23, so only the first two terms reach into the word."""
+    return sum(E2M1_MAGIC_BITS << (4 * i) for i in range(count)) & 0xFFFFFFFF
+
+
+@T.macro
+def e2m1_pack_codes(scaled, count: int, saturate: bool, packed):
+    """``count`` (≤ 8) fp32 values ``scaled[0 : count]`` → their e2m1 codes packed little-endian into
+    ``packed[0]`` (uint32; value i in bits 4i..4i+3, the layout of the packed bytes), the same codes
+    as ``e2m1_code``, in about 2 instructions per value fewer than coding and packing each one:
+
+    - the magnitudes are summed unmasked, Horner's way (one shift-add per value, LEA or IMAD):
+      ``Σ_i e2m1_magnitude_bits(y_i) · 16^i``; each term is ``E2M1_MAGIC_BITS + c_i`` exactly, so the
+      magic's share is a constant (``e2m1_magnitude_sum_excess``) taken off once;
+    - the signs come from a funnel shift (``SHF.L.W``, one per value): ``(acc << 4) | (bits(y_i) >>
+      28)`` brings y_i's top four bits into the low nibble, so after the last value nibble i holds
+      y_i's sign in its bit 3 (and exponent bits below it, masked off by the final LOP3).
+
+    ``packed`` is a local uint32 buffer of 2: ``packed[1]`` is the sign accumulator."""
+    packed[0] = T.uint32(0)
+    packed[1] = T.uint32(0)
+    for step in T.unroll(count):
+        y = scaled[count - 1 - step]
+        packed[0] = (packed[0] << 4) + e2m1_magnitude_bits(y, saturate)
+        packed[1] = T.call_extern("uint32", "__funnelshift_l", T.reinterpret(y, "uint32"), packed[1], T.uint32(4))
+    packed[0] = (packed[1] & T.uint32(E2M1_SIGN_NIBBLE_BITS)) | (packed[0] - T.uint32(e2m1_magnitude_sum_excess(count)))
 
 
 def e2m1_value(code):

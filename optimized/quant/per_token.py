@@ -38,7 +38,7 @@ from tileproof.reference.contract import (
 )
 
 from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
-from .common import cta_amax_bits, e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
+from .common import cta_amax_bits, e2m1_pack_codes, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
 
 # Default schedule (threads per CTA, segments per thread in flight); see ``schedule``.
 THREADS = 64
@@ -350,10 +350,13 @@ def store_encoded_vector(q, q_offset, values, item, first, multiplier, fmt, vect
         for e in T.vectorized(vector):
             q[q_offset + e] = T.cast(values[item, first + e] * multiplier, "float8_e4m3")
     else:
+        scaled = T.alloc_local((vector,), "float32")
+        packed = T.alloc_local((2,), "uint32")
+        for e in T.unroll(vector):
+            scaled[e] = values[item, first + e] * multiplier
+        e2m1_pack_codes(scaled, vector, True, packed)
         for p in T.unroll(vector // 2):
-            low = e2m1_code(values[item, first + 2 * p] * multiplier)
-            high = e2m1_code(values[item, first + 2 * p + 1] * multiplier)
-            codes[p] = T.cast(low | (high << 4), "uint8")
+            codes[p] = T.cast(packed[0] >> (8 * p), "uint8")
         for p in T.vectorized(vector // 2):
             q[q_offset + p] = codes[p]
 
