@@ -71,6 +71,28 @@ def pack_codes(y: np.ndarray, saturate: bool = True) -> np.ndarray:
     return (signs & np.uint32(SIGN_NIBBLE_BITS)) | (magnitudes - np.uint32(magnitude_sum_excess(count)))
 
 
+def byte_perm(low: np.ndarray, high: np.ndarray, selector: int) -> np.ndarray:
+    """CUDA's ``__byte_perm(low, high, selector)`` (PRMT): byte i of the result is byte
+    ``(selector >> 4i) & 7`` of the 8 bytes ``high:low``."""
+    pool = np.stack([low, high], axis=-1).view(np.uint8).reshape(*low.shape, 8)
+    picks = [(selector >> (4 * i)) & 7 for i in range(4)]
+    return np.ascontiguousarray(pool[..., picks]).view(np.uint32).reshape(low.shape)
+
+
+def pack_codes_of_finite_block(y: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """``e2m1_pack_codes_of_finite_block``: ``[n, 8]`` fp32 values with their bf16 pairs ``[n, 4]``
+    (int32 viewed as uint32; the signs are taken from these)."""
+    magnitudes = np.zeros(y.shape[0], dtype=np.uint32)
+    for i in reversed(range(8)):
+        magnitudes = (magnitudes << np.uint32(4)) + magnitude_bits(y[:, i], saturate=False)
+    low_pair = byte_perm(words[:, 0], words[:, 1], 0x7351)
+    high_pair = byte_perm(words[:, 2], words[:, 3], 0x7351)
+    even = byte_perm(low_pair, high_pair, 0x5410)
+    odd = byte_perm(low_pair, high_pair, 0x7632)
+    signs = (odd & np.uint32(0x80808080)) | ((even >> np.uint32(4)) & np.uint32(0x08080808))
+    return signs | (magnitudes - np.uint32(magnitude_sum_excess(8)))
+
+
 def reference_codes(y: np.ndarray) -> np.ndarray:
     return rq._e2m1_codes(torch.from_numpy(y)).numpy().astype(np.uint32)
 
@@ -122,6 +144,59 @@ def test_threshold_neighbourhoods_and_random_values():
     scattered = rng.integers(0, 1 << 32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
     for bits in (near, near | np.uint32(1 << 31), scattered):
         assert mismatches(canonical(bits)) == []
+
+
+E2M1_AMAX_FLOOR = np.float32(6.0 * 2.0**-126)
+
+
+def finite_bf16_magnitudes() -> np.ndarray:
+    """Every finite non-negative bf16 value, as fp32."""
+    bits = np.arange(0x7F80, dtype=np.uint32) << np.uint32(16)
+    return bits.view(np.float32)
+
+
+def multipliers(amax: np.ndarray, round_sf: bool) -> np.ndarray:
+    """The cast's multiplier for block maxima ``amax`` (fp32 IEEE divisions, as in the kernels)."""
+    clamped = np.maximum(amax, E2M1_AMAX_FLOOR)
+    if not round_sf:
+        return np.float32(6.0) / clamped
+    sf = (clamped / np.float32(6.0)).view(np.uint32)
+    rounded = ((sf + np.uint32(0x7FFFFF)) & np.uint32(0xFF800000)).view(np.float32)
+    return np.float32(1.0) / rounded
+
+
+def test_a_finite_block_scales_its_values_below_seven():
+    """``saturate=False`` needs ``|y| < 7``: ``|x| · m`` grows with |x|, so the block's amax itself
+    gives the largest y, for every finite bf16 amax (and below the floor, the floor's)."""
+    amax = finite_bf16_magnitudes()
+    for round_sf in (False, True):
+        m = multipliers(amax, round_sf)
+        assert np.all(m > 0) and np.all(np.isfinite(m))
+        assert np.max(np.maximum(amax, E2M1_AMAX_FLOOR) * m) < 7
+
+
+def test_finite_block_encoder_matches_the_reference():
+    """Blocks of random bf16 values (every finite magnitude class, both signs, zeros) with the
+    multiplier of their own amax: the signs from the bf16 words and the uncapped magnitudes give
+    the reference's codes of ``y = x · m``."""
+    rng = np.random.default_rng(1)
+    magnitudes = finite_bf16_magnitudes()
+    for round_sf in (False, True):
+        for spread in (0, 8, 40, 300):
+            # blocks of 16 values around a random binade (spread: how far below it values go)
+            blocks = 4096
+            top = rng.integers(0, 0x7F7F, size=(blocks, 1))
+            bits = top - rng.integers(0, 1 + spread * 128, size=(blocks, 16))
+            values = magnitudes[np.clip(bits, 0, 0x7F7F)]
+            values = np.where(rng.random((blocks, 16)) < 0.05, np.float32(0), values)
+            values = np.where(rng.random((blocks, 16)) < 0.5, -values, values).astype(np.float32)
+            m = multipliers(np.abs(values).max(axis=1, keepdims=True), round_sf)
+            y = (values * m).astype(np.float32)
+            x_bits = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint32)
+            words = (x_bits[:, 0::2] | (x_bits[:, 1::2] << np.uint32(16))).reshape(-1, 4)
+            rows = y.reshape(-1, 8)
+            assert np.array_equal(pack_codes_of_finite_block(rows, words), reference_packed(rows))
+            assert np.array_equal(pack_codes_of_finite_block(rows, words), pack_codes(rows))
 
 
 def exhaustive(chunk_bits: int = 24) -> int:

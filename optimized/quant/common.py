@@ -151,6 +151,36 @@ def e2m1_pack_codes(scaled, count: int, saturate: bool, packed):
     packed[0] = (packed[1] & T.uint32(E2M1_SIGN_NIBBLE_BITS)) | (packed[0] - T.uint32(e2m1_magnitude_sum_excess(count)))
 
 
+@T.macro
+def e2m1_pack_codes_of_finite_block(scaled, words, item, first_word, packed):
+    """``e2m1_pack_codes(scaled, 8, ...)`` for eight values ``y_i = x_i · m`` of a block whose
+    multiplier ``m`` came from the block's own finite amax (``m > 0`` finite and ``|x_i| <= amax``,
+    hence ``|y_i| <= 6·(1 + 2^-22) < 7``, and y_i is finite with the sign of x_i), ``x`` given as its
+    bf16 pairs ``words[item, first_word : first_word + 4]`` (int32, element 2j in the low half):
+
+    - no cap on the magnitudes (``e2m1_magnitude_bits(y, saturate=False)``): one instruction each;
+    - the signs come from the bf16 words by four byte permutes (PRMT): the sign of element 2j is
+      bit 7 of byte 1 of word j, of element 2j + 1 bit 7 of byte 3. Gathering bytes 1 (``even``)
+      and bytes 3 (``odd``) of the four words puts the odd elements' signs on bits 8j + 7, where
+      the packed codes want them, and the even elements' four bits above bits 8j + 3.
+
+    Seven instructions for the signs instead of nine, eight caps fewer: 66 instead of 76 per eight
+    values. Same bits as ``e2m1_pack_codes`` for every such block (tests/test_e2m1_encoder_model.py)."""
+    packed[0] = T.uint32(0)
+    for step in T.unroll(8):
+        packed[0] = (packed[0] << 4) + e2m1_magnitude_bits(scaled[7 - step], False)
+    low_pair = T.call_extern(
+        "uint32", "__byte_perm", words[item, first_word], words[item, first_word + 1], T.uint32(0x7351)
+    )
+    high_pair = T.call_extern(
+        "uint32", "__byte_perm", words[item, first_word + 2], words[item, first_word + 3], T.uint32(0x7351)
+    )
+    even = T.call_extern("uint32", "__byte_perm", low_pair, high_pair, T.uint32(0x5410))
+    odd = T.call_extern("uint32", "__byte_perm", low_pair, high_pair, T.uint32(0x7632))
+    packed[1] = (odd & T.uint32(0x80808080)) | ((even >> 4) & T.uint32(0x08080808))
+    packed[0] = packed[1] | (packed[0] - T.uint32(e2m1_magnitude_sum_excess(8)))
+
+
 def e2m1_value(code):
     """4-bit e2m1 code (uint32) → fp32 value, exact: ``(1 + m/2) · 2^(e-1)``, or ``m/2`` when e = 0."""
     exponent = (code >> 1) & 3

@@ -20,6 +20,8 @@ Kernel design (memory-bound: read x once, write q and sf once):
   branch, which costs nothing next to the memory traffic and keeps the compiled-kernel count small.
 """
 
+import functools
+
 import tilelang.language as T
 import torch
 
@@ -38,7 +40,15 @@ from tileproof.reference.contract import (
 )
 
 from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
-from .common import cta_amax_bits, e2m1_pack_codes, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
+from .common import (
+    cta_amax_bits,
+    e2m1_pack_codes,
+    e2m1_pack_codes_of_finite_block,
+    float_bits_abs,
+    scale_and_multiplier,
+    scale_from_ue8m0,
+    ue8m0_byte,
+)
 
 # Default schedule (threads per CTA, segments per thread in flight); see ``schedule``.
 THREADS = 64
@@ -111,6 +121,7 @@ def per_token_cast_kernel(
     # e2m1 bytes are written through a uint8 view of the int8 data (plain byte moves vectorize).
     q_dtype = "float8_e4m3" if fmt is E4M3 else "uint8"
     sf_dtype = "uint8" if packed_ue8m0 else "float32"
+    finite_block_encoder = fmt is E2M1 and bf16_words and vector == 8
 
     x_span = T.dynamic("x_span")
     q_span = T.dynamic("q_span")
@@ -187,6 +198,30 @@ def per_token_cast_kernel(
                                 sf[packed_scale_index(row, kblock, sf_row_stride) + spare] = T.uint8(0)
                 else:
                     sf[row * sf_row_stride + kblock * sf_kblock_stride] = sf_value[0]
+
+    @T.macro
+    def encode_items(q, values, item_multiplier, widened, codes, q_row, part, hidden_vectors, warp, lane, finite):
+        for item in T.unroll(items):
+            first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
+            for v in T.unroll(vectors_per_chunk):
+                if first_vector + v < hidden_vectors:
+                    q_offset = q_row + (first_vector + v) * stored_per_vector
+                    if bf16_words:
+                        # bf16 → fp32 is exact: the word's halves shifted into the high bits.
+                        for e in T.unroll(vector // 2):
+                            word = T.reinterpret(values[item, v * loaded_per_vector + e], "uint32")
+                            widened[0, 2 * e] = T.reinterpret(word << 16, "float32")
+                            widened[0, 2 * e + 1] = T.reinterpret(word & T.uint32(0xFFFF0000), "float32")
+                        if finite:
+                            store_e2m1_vector_of_finite_block(
+                                q, q_offset, widened, values, item, v * loaded_per_vector, item_multiplier[item], codes
+                            )
+                        else:
+                            store_encoded_vector(q, q_offset, widened, 0, 0, item_multiplier[item], fmt, vector, codes)
+                    else:
+                        store_encoded_vector(
+                            q, q_offset, values, item, v * vector, item_multiplier[item], fmt, vector, codes
+                        )
 
     @T.macro
     def encode_unit(
@@ -267,24 +302,23 @@ def per_token_cast_kernel(
                 )
                 item_multiplier[item] = multiplier[0]
 
-        # 3. Encode and store the data, one wide store per vector.
+        # 3. Encode and store the data, one wide store per vector. e2m1 blocks whose multiplier came
+        #    from their own finite amax (all of them, unless a NaN or Inf is in the block or the
+        #    scales were given) take the leaner encoder of ``e2m1_pack_codes_of_finite_block``; the
+        #    test is once per thread, so the branch is uniform unless a warp holds such a block.
         if mode != MODE_SF_ONLY:
-            for item in T.unroll(items):
-                first_vector = ((part * items + item) * warps + warp) * segment_vectors + lane * vectors_per_chunk
-                for v in T.unroll(vectors_per_chunk):
-                    if first_vector + v < hidden_vectors:
-                        q_offset = q_row + (first_vector + v) * stored_per_vector
-                        if bf16_words:
-                            # bf16 → fp32 is exact: the word's halves shifted into the high bits.
-                            for e in T.unroll(vector // 2):
-                                word = T.reinterpret(values[item, v * loaded_per_vector + e], "uint32")
-                                widened[0, 2 * e] = T.reinterpret(word << 16, "float32")
-                                widened[0, 2 * e + 1] = T.reinterpret(word & T.uint32(0xFFFF0000), "float32")
-                            store_encoded_vector(q, q_offset, widened, 0, 0, item_multiplier[item], fmt, vector, codes)
-                        else:
-                            store_encoded_vector(
-                                q, q_offset, values, item, v * vector, item_multiplier[item], fmt, vector, codes
-                            )
+            if finite_block_encoder:
+                positive = [item_multiplier[item] > T.float32(0) for item in range(items)]
+                if functools.reduce(T.And, positive, mode != MODE_PRECOMPUTED_SF):
+                    encode_items(
+                        q, values, item_multiplier, widened, codes, q_row, part, hidden_vectors, warp, lane, True
+                    )
+                else:
+                    encode_items(
+                        q, values, item_multiplier, widened, codes, q_row, part, hidden_vectors, warp, lane, False
+                    )
+            else:
+                encode_items(q, values, item_multiplier, widened, codes, q_row, part, hidden_vectors, warp, lane, False)
 
     @T.prim_func
     def kernel(
@@ -359,6 +393,22 @@ def store_encoded_vector(q, q_offset, values, item, first, multiplier, fmt, vect
             codes[p] = T.cast(packed[0] >> (8 * p), "uint8")
         for p in T.vectorized(vector // 2):
             q[q_offset + p] = codes[p]
+
+
+@T.macro
+def store_e2m1_vector_of_finite_block(q, q_offset, values, words, item, first_word, multiplier, codes):
+    """``store_encoded_vector`` for eight e2m1 values ``values[0, 0:8]`` (fp32, widened from the bf16
+    pairs ``words[item, first_word : first_word + 4]``) of a block whose multiplier came from its
+    own finite amax: ``e2m1_pack_codes_of_finite_block``."""
+    scaled = T.alloc_local((8,), "float32")
+    packed = T.alloc_local((2,), "uint32")
+    for e in T.unroll(8):
+        scaled[e] = values[0, e] * multiplier
+    e2m1_pack_codes_of_finite_block(scaled, words, item, first_word, packed)
+    for p in T.unroll(4):
+        codes[p] = T.cast(packed[0] >> (8 * p), "uint8")
+    for p in T.vectorized(4):
+        q[q_offset + p] = codes[p]
 
 
 @jit()
