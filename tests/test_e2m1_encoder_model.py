@@ -12,6 +12,9 @@ funnel-shifting the signs in. This module models each of those instructions in n
 - ``VIMNMX`` (unsigned minimum), ``LEA``/``IMAD`` (shift-add mod 2^32) and ``SHF.L.W`` (funnel shift)
   on uint32.
 
+Also here: the three-instruction division of a bf16 block amax by qmax (``divide_bf16_amax``),
+exact for every bf16 amax.
+
 The pytest tests cover every bf16 value (both signs), the neighbourhoods of every rounding
 threshold, and random fp32 values. ``python tests/test_e2m1_encoder_model.py`` runs the exhaustive
 check over all 2^32 fp32 bit patterns (the NaNs as the canonical NaN that an fp32 multiply returns
@@ -22,11 +25,14 @@ from __future__ import annotations
 
 import sys
 import time
+from fractions import Fraction
 
 import numpy as np
+import pytest
 import torch
 
 from tileproof.reference import quant as rq
+from tileproof.reference.contract import E2M1, E4M3
 
 MAGIC = 2.0**23
 MAGIC_BITS = 0x4B000000
@@ -146,7 +152,7 @@ def test_threshold_neighbourhoods_and_random_values():
         assert mismatches(canonical(bits)) == []
 
 
-E2M1_AMAX_FLOOR = np.float32(6.0 * 2.0**-126)
+E2M1_AMAX_FLOOR = np.float32(E2M1.amax_floor)
 
 
 def finite_bf16_magnitudes() -> np.ndarray:
@@ -197,6 +203,34 @@ def test_finite_block_encoder_matches_the_reference():
             rows = y.reshape(-1, 8)
             assert np.array_equal(pack_codes_of_finite_block(rows, words), reference_packed(rows))
             assert np.array_equal(pack_codes_of_finite_block(rows, words), pack_codes(rows))
+
+
+def round_to_fp32(value: Fraction) -> np.float32:
+    """``value`` rounded to the nearest fp32, ties to even (exact: no double rounding)."""
+    nearest = np.float32(float(value))
+    for neighbour in (np.nextafter(nearest, np.float32(-np.inf)), np.nextafter(nearest, np.float32(np.inf))):
+        gap, best_gap = abs(Fraction(float(neighbour)) - value), abs(Fraction(float(nearest)) - value)
+        if gap < best_gap or (gap == best_gap and int(neighbour.view(np.uint32)) % 2 == 0):
+            nearest = neighbour
+    return nearest
+
+
+@pytest.mark.parametrize("fmt", [E2M1, E4M3], ids=lambda fmt: fmt.name)
+def test_bf16_amax_division_by_qmax_is_exact(fmt):
+    """``divide_bf16_amax``: ``q = RN(a·r)``, ``e = RN(a − qmax·q)`` (FFMA), ``RN(q + e·r)`` (FFMA),
+    each modelled as one exact rounding, equals the IEEE ``a / qmax`` for every bf16 amax ``a``
+    (and the floor it is clamped to), for the qmax values the kernels use it with."""
+    from tileproof.optimized.quant.common import BF16_AMAX_DIVISORS
+
+    qmax = fmt.qmax
+    assert qmax in BF16_AMAX_DIVISORS
+    amax = np.unique(np.maximum(finite_bf16_magnitudes(), np.float32(fmt.amax_floor)))
+    reciprocal = np.float32(1.0) / np.float32(qmax)
+    r, divisor = Fraction(float(reciprocal)), Fraction(qmax)
+    for a in amax.tolist():
+        quotient = Fraction(float(round_to_fp32(Fraction(a) * r)))
+        residual = Fraction(float(round_to_fp32(Fraction(a) - divisor * quotient)))
+        assert round_to_fp32(quotient + residual * r) == np.float32(a) / np.float32(qmax), a
 
 
 def exhaustive(chunk_bits: int = 24) -> int:

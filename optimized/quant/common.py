@@ -6,6 +6,7 @@ same bit-level rules; the reference's module docstring states them.
 
 from __future__ import annotations
 
+import numpy as np
 import tilelang.language as T
 
 from tileproof.reference.contract import FP32_EXPONENT_AND_SIGN_MASK, FP32_MANTISSA_MASK, UE8M0_NAN, QuantFormat
@@ -33,12 +34,33 @@ def cta_amax_bits(amax, warp_amax, lane, warp, warps: int):
         amax[0] = T.max(amax[0], warp_amax[w])
 
 
+# qmax values whose ``divide_bf16_amax`` is checked exact for every bf16 amax (and the floor).
+BF16_AMAX_DIVISORS = (6.0, 448.0)
+
+
+def divide_bf16_amax(amax, qmax: float):
+    """``amax / qmax`` correctly rounded (IEEE fp32), for an ``amax`` that is a bf16 value (8
+    significant bits) or the format's floor, in three instructions instead of the ~12 of a
+    division (its range check and branch included): ``q = amax · r`` with ``r = RN(1/qmax)``,
+    then one Newton correction with the exact residual, ``q + RN(amax − qmax·q) · r`` (two FMAs).
+    Checked exact for every bf16 amax and both floors (tests/test_e2m1_encoder_model.py); +Inf
+    would make the residual NaN, so it is passed through (Inf / qmax = Inf); a NaN stays NaN."""
+    if qmax not in BF16_AMAX_DIVISORS:
+        return T.ieee_fdiv(amax, T.float32(qmax))
+    reciprocal = T.float32(float(np.float32(1.0) / np.float32(qmax)))  # IEEE fp32 division
+    quotient = amax * reciprocal
+    residual = T.call_extern("float32", "__fmaf_rn", T.float32(-qmax), quotient, amax)
+    refined = T.call_extern("float32", "__fmaf_rn", residual, reciprocal, quotient)
+    return T.if_then_else(amax == T.float32(float("inf")), amax, refined)
+
+
 @T.macro
-def scale_and_multiplier(amax_bits, fmt: QuantFormat, round_sf, sf, multiplier):
-    """Block amax (abs bits) → ``sf`` and ``multiplier`` (two local fp32 vars), contract §1."""
+def scale_and_multiplier(amax_bits, fmt: QuantFormat, round_sf, sf, multiplier, amax_is_bf16: bool = False):
+    """Block amax (abs bits) → ``sf`` and ``multiplier`` (two local fp32 vars), contract §1.
+    ``amax_is_bf16``: the amax is a bf16 value (bf16 input), so ``sf`` takes ``divide_bf16_amax``."""
     floor_bits = T.reinterpret(T.float32(fmt.amax_floor), "int32")
     amax = T.reinterpret(T.max(amax_bits, floor_bits), "float32")
-    sf[0] = T.ieee_fdiv(amax, T.float32(fmt.qmax))
+    sf[0] = divide_bf16_amax(amax, fmt.qmax) if amax_is_bf16 else T.ieee_fdiv(amax, T.float32(fmt.qmax))
     multiplier[0] = T.ieee_fdiv(T.float32(fmt.qmax), amax)
     if round_sf:
         bits = T.reinterpret(sf[0], "uint32")

@@ -187,7 +187,7 @@ def per_token_cast_kernel(
                     sf_value[0] = sf[row * sf_row_stride + kblock * sf_kblock_stride]
             multiplier[0] = T.ieee_fdiv(T.float32(1.0), sf_value[0])
         else:
-            scale_and_multiplier(amax_bits, fmt, round_sf != 0, sf_value, multiplier)
+            scale_and_multiplier(amax_bits, fmt, round_sf != 0, sf_value, multiplier, bf16_words)
             if is_owner and kblock < num_kblocks:
                 if packed_ue8m0:
                     sf[packed_scale_index(row, kblock, sf_row_stride)] = ue8m0_byte(sf_value[0])
