@@ -147,6 +147,8 @@ def e2m1_magnitude_sum_excess(count: int) -> int:
     """What ``Σ_i e2m1_magnitude_bits(y_i) · 16^i`` (uint32, i < count) holds beyond the packed codes
     ``Σ_i c_i · 16^i``: ``Σ_i E2M1_MAGIC_BITS · 16^i`` mod 2^32 (0xFB000000 for eight codes). The
     magic's bits all sit at or above bit 23, so only the first two terms reach into the word."""
+    if not 1 <= count <= 8:
+        raise ValueError(f"a uint32 holds 1 to 8 packed e2m1 codes, not {count}")
     return sum(E2M1_MAGIC_BITS << (4 * i) for i in range(count)) & 0xFFFFFFFF
 
 
