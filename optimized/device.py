@@ -14,6 +14,9 @@ import torch
 SM_LIMIT_ENV = "TILEPROOF_SM_LIMIT"
 # Without a GPU (compile-only passes) kernels are built for the H200 / H100 SXM: 132 SMs.
 SM_COUNT_WITHOUT_GPU = 132
+# The most shared memory one CTA may use on sm_90 (and sm_100): kernels that size their shared
+# buffers by the shape check their plan against it.
+SHARED_MEMORY_BYTES = 227 * 1024
 
 
 def sm_limit() -> int | None:

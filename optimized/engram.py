@@ -52,6 +52,7 @@ from tileproof.reference.engram import (
     check_unit_last_stride,
 )
 
+from .device import SHARED_MEMORY_BYTES
 from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"]
@@ -63,7 +64,6 @@ REDUCE_WARPS = 8  # P-slices of grad_w_reduce's CTA
 REDUCE_UNROLL = 4  # partial loads in flight per thread
 GATE_THREADS = 256
 MAX_GATE_THREADS = 512
-SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may use on sm_90
 
 
 def gate_schedule(hidden: int, vector: int) -> tuple[int, int]:

@@ -153,6 +153,21 @@ def e2m1_magnitude_sum_excess(count: int) -> int:
 
 
 @T.macro
+def e2m1_magnitude_sum(scaled, count: int, saturate: bool, packed, funnel_signs: bool):
+    """``packed[0] = Σ_i e2m1_magnitude_bits(scaled[i], saturate) · 16^i`` (uint32, i < count), by
+    Horner's rule from the last value: one shift-add each; with ``funnel_signs``, in the same pass
+    ``packed[1]`` takes the top four bits of every value by a funnel shift (``e2m1_pack_codes``)."""
+    packed[0] = T.uint32(0)
+    if funnel_signs:
+        packed[1] = T.uint32(0)
+    for step in T.unroll(count):
+        y = scaled[count - 1 - step]
+        packed[0] = (packed[0] << 4) + e2m1_magnitude_bits(y, saturate)
+        if funnel_signs:
+            packed[1] = T.call_extern("uint32", "__funnelshift_l", T.reinterpret(y, "uint32"), packed[1], T.uint32(4))
+
+
+@T.macro
 def e2m1_pack_codes(scaled, count: int, saturate: bool, packed):
     """``count`` (≤ 8) fp32 values ``scaled[0 : count]`` → their e2m1 codes packed little-endian into
     ``packed[0]`` (uint32; value i in bits 4i..4i+3, the layout of the packed bytes), the same codes
@@ -166,12 +181,7 @@ def e2m1_pack_codes(scaled, count: int, saturate: bool, packed):
       y_i's sign in its bit 3 (and exponent bits below it, masked off by the final LOP3).
 
     ``packed`` is a local uint32 buffer of 2: ``packed[1]`` is the sign accumulator."""
-    packed[0] = T.uint32(0)
-    packed[1] = T.uint32(0)
-    for step in T.unroll(count):
-        y = scaled[count - 1 - step]
-        packed[0] = (packed[0] << 4) + e2m1_magnitude_bits(y, saturate)
-        packed[1] = T.call_extern("uint32", "__funnelshift_l", T.reinterpret(y, "uint32"), packed[1], T.uint32(4))
+    e2m1_magnitude_sum(scaled, count, saturate, packed, True)
     packed[0] = (packed[1] & T.uint32(E2M1_SIGN_NIBBLE_BITS)) | (packed[0] - T.uint32(e2m1_magnitude_sum_excess(count)))
 
 
@@ -190,9 +200,7 @@ def e2m1_pack_codes_of_finite_block(scaled, words, item, first_word, packed):
 
     Seven instructions for the signs instead of nine, eight caps fewer: 66 instead of 76 per eight
     values. Same bits as ``e2m1_pack_codes`` for every such block (tests/test_e2m1_encoder_model.py)."""
-    packed[0] = T.uint32(0)
-    for step in T.unroll(8):
-        packed[0] = (packed[0] << 4) + e2m1_magnitude_bits(scaled[7 - step], False)
+    e2m1_magnitude_sum(scaled, 8, False, packed, False)
     low_pair = T.call_extern(
         "uint32", "__byte_perm", words[item, first_word], words[item, first_word + 1], T.uint32(0x7351)
     )

@@ -217,12 +217,8 @@ def per_token_cast_kernel(
                 word = T.reinterpret(values[item, v * loaded_per_vector + e], "uint32")
                 widened[0, 2 * e] = T.reinterpret(word << 16, "float32")
                 widened[0, 2 * e + 1] = T.reinterpret(word & T.uint32(0xFFFF0000), "float32")
-            if finite:
-                store_e2m1_vector_of_finite_block(
-                    q, q_offset, widened, values, item, v * loaded_per_vector, item_multiplier[item], codes
-                )
-            else:
-                store_encoded_vector(q, q_offset, widened, 0, 0, item_multiplier[item], fmt, vector, codes)
+            words = (values, item, v * loaded_per_vector) if finite else None
+            store_encoded_vector(q, q_offset, widened, 0, 0, item_multiplier[item], fmt, vector, codes, words)
         else:
             store_encoded_vector(q, q_offset, values, item, v * vector, item_multiplier[item], fmt, vector, codes)
 
@@ -401,9 +397,13 @@ def per_token_cast_kernel(
 
 
 @T.macro
-def store_encoded_vector(q, q_offset, values, item, first, multiplier, fmt, vector, codes):
+def store_encoded_vector(q, q_offset, values, item, first, multiplier, fmt, vector, codes, finite_block_words=None):
     """Encode ``values[item, first : first + vector] · multiplier`` and store it with one wide store
-    (e4m3: ``vector`` bytes; e2m1: ``vector / 2`` bytes, element 2j in the low nibble)."""
+    (e4m3: ``vector`` bytes; e2m1: ``vector / 2`` bytes, element 2j in the low nibble).
+
+    ``finite_block_words``: ``(words, word_item, first_word)``, the bf16 pairs the eight fp32
+    ``values`` were widened from, for an e2m1 block whose multiplier came from its own finite amax:
+    encoded by ``e2m1_pack_codes_of_finite_block`` (same bytes, fewer instructions)."""
     if fmt is E4M3:
         for e in T.vectorized(vector):
             q[q_offset + e] = T.cast(values[item, first + e] * multiplier, "float8_e4m3")
@@ -412,27 +412,14 @@ def store_encoded_vector(q, q_offset, values, item, first, multiplier, fmt, vect
         packed = T.alloc_local((2,), "uint32")
         for e in T.unroll(vector):
             scaled[e] = values[item, first + e] * multiplier
-        e2m1_pack_codes(scaled, vector, True, packed)
+        if finite_block_words is None:
+            e2m1_pack_codes(scaled, vector, True, packed)
+        else:
+            e2m1_pack_codes_of_finite_block(scaled, *finite_block_words, packed)
         for p in T.unroll(vector // 2):
             codes[p] = T.cast(packed[0] >> (8 * p), "uint8")
         for p in T.vectorized(vector // 2):
             q[q_offset + p] = codes[p]
-
-
-@T.macro
-def store_e2m1_vector_of_finite_block(q, q_offset, values, words, item, first_word, multiplier, codes):
-    """``store_encoded_vector`` for eight e2m1 values ``values[0, 0:8]`` (fp32, widened from the bf16
-    pairs ``words[item, first_word : first_word + 4]``) of a block whose multiplier came from its
-    own finite amax: ``e2m1_pack_codes_of_finite_block``."""
-    scaled = T.alloc_local((8,), "float32")
-    packed = T.alloc_local((2,), "uint32")
-    for e in T.unroll(8):
-        scaled[e] = values[0, e] * multiplier
-    e2m1_pack_codes_of_finite_block(scaled, words, item, first_word, packed)
-    for p in T.unroll(4):
-        codes[p] = T.cast(packed[0] >> (8 * p), "uint8")
-    for p in T.vectorized(4):
-        q[q_offset + p] = codes[p]
 
 
 @jit()

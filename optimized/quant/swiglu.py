@@ -103,7 +103,7 @@ from tileproof.reference.quant_swiglu import (
     check_topk_weights,
 )
 
-from ..device import sm_count
+from ..device import SHARED_MEMORY_BYTES, sm_count
 from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index, store_encoded_vector
@@ -142,7 +142,6 @@ FORWARD_SCHEDULE = {
     torch.bfloat16: ForwardSchedule(1024, 2, 3, STAGING_SHARED),
     torch.float32: ForwardSchedule(1024, 1, 2, STAGING_SHARED),
 }
-SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may use on sm_90
 # Register staging holds stages × units × (gate + up) words per thread; past 24 of them the
 # computation spills beyond 64 registers.
 REGISTER_STAGE_WORDS = 24
