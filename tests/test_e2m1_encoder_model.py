@@ -31,13 +31,16 @@ import numpy as np
 import pytest
 import torch
 
+from tileproof.optimized.quant.common import (
+    E2M1_MAGIC,
+    E2M1_MAGIC_BITS,
+    E2M1_SIGN_NIBBLE_BITS,
+    e2m1_magnitude_sum_excess,
+)
 from tileproof.reference import quant as rq
 from tileproof.reference.contract import E2M1, E4M3
 
-MAGIC = 2.0**23
-MAGIC_BITS = 0x4B000000
 CANONICAL_NAN_BITS = 0x7FFFFFFF
-SIGN_NIBBLE_BITS = 0x88888888
 
 
 def ffma_bits(a: np.ndarray, multiplier: float, addend: float) -> np.ndarray:
@@ -51,10 +54,11 @@ def ffma_bits(a: np.ndarray, multiplier: float, addend: float) -> np.ndarray:
 def magnitude_bits(y: np.ndarray, saturate: bool = True) -> np.ndarray:
     """``e2m1_magnitude_bits``: the minimum of the three candidates' bits (and of the cap)."""
     a = np.abs(y)
-    smallest = np.minimum(
-        np.minimum(ffma_bits(a, 2.0, MAGIC), ffma_bits(a, 1.0, MAGIC + 2.0)), ffma_bits(a, 0.5, MAGIC + 4.0)
-    )
-    return np.minimum(smallest, np.uint32(MAGIC_BITS + 7)) if saturate else smallest
+    candidate_0 = ffma_bits(a, 2.0, E2M1_MAGIC)
+    candidate_1 = ffma_bits(a, 1.0, E2M1_MAGIC + 2.0)
+    candidate_2 = ffma_bits(a, 0.5, E2M1_MAGIC + 4.0)
+    smallest = np.minimum(np.minimum(candidate_0, candidate_1), candidate_2)
+    return np.minimum(smallest, np.uint32(E2M1_MAGIC_BITS + 7)) if saturate else smallest
 
 
 def code(y: np.ndarray) -> np.ndarray:
@@ -62,19 +66,23 @@ def code(y: np.ndarray) -> np.ndarray:
     return (magnitude_bits(y) & np.uint32(7)) | ((y.view(np.uint32) >> np.uint32(28)) & np.uint32(0xFFFFFFF8))
 
 
-def magnitude_sum_excess(count: int) -> int:
-    return sum(MAGIC_BITS << (4 * i) for i in range(count)) & 0xFFFFFFFF
+def magnitude_sum(y: np.ndarray, saturate: bool) -> np.ndarray:
+    """``e2m1_magnitude_sum``: Horner's ``Σ_i magnitude_bits(y[:, i]) · 16^i``, one LEA (wrapping
+    shift-add) per value."""
+    magnitudes = np.zeros(y.shape[0], dtype=np.uint32)
+    for i in reversed(range(y.shape[1])):
+        magnitudes = (magnitudes << np.uint32(4)) + magnitude_bits(y[:, i], saturate)
+    return magnitudes
 
 
 def pack_codes(y: np.ndarray, saturate: bool = True) -> np.ndarray:
     """``e2m1_pack_codes`` on rows of ``count <= 8`` values: ``[n, count]`` fp32 → ``[n]`` uint32."""
     count = y.shape[1]
-    magnitudes = np.zeros(y.shape[0], dtype=np.uint32)
     signs = np.zeros(y.shape[0], dtype=np.uint32)
     for i in reversed(range(count)):
-        magnitudes = (magnitudes << np.uint32(4)) + magnitude_bits(y[:, i], saturate)  # LEA (wraps)
         signs = (signs << np.uint32(4)) | (y[:, i].view(np.uint32) >> np.uint32(28))  # SHF.L.W
-    return (signs & np.uint32(SIGN_NIBBLE_BITS)) | (magnitudes - np.uint32(magnitude_sum_excess(count)))
+    magnitudes = magnitude_sum(y, saturate)
+    return (signs & np.uint32(E2M1_SIGN_NIBBLE_BITS)) | (magnitudes - np.uint32(e2m1_magnitude_sum_excess(count)))
 
 
 def byte_perm(low: np.ndarray, high: np.ndarray, selector: int) -> np.ndarray:
@@ -88,15 +96,13 @@ def byte_perm(low: np.ndarray, high: np.ndarray, selector: int) -> np.ndarray:
 def pack_codes_of_finite_block(y: np.ndarray, words: np.ndarray) -> np.ndarray:
     """``e2m1_pack_codes_of_finite_block``: ``[n, 8]`` fp32 values with their bf16 pairs ``[n, 4]``
     (int32 viewed as uint32; the signs are taken from these)."""
-    magnitudes = np.zeros(y.shape[0], dtype=np.uint32)
-    for i in reversed(range(8)):
-        magnitudes = (magnitudes << np.uint32(4)) + magnitude_bits(y[:, i], saturate=False)
+    magnitudes = magnitude_sum(y, saturate=False)
     low_pair = byte_perm(words[:, 0], words[:, 1], 0x7351)
     high_pair = byte_perm(words[:, 2], words[:, 3], 0x7351)
     even = byte_perm(low_pair, high_pair, 0x5410)
     odd = byte_perm(low_pair, high_pair, 0x7632)
     signs = (odd & np.uint32(0x80808080)) | ((even >> np.uint32(4)) & np.uint32(0x08080808))
-    return signs | (magnitudes - np.uint32(magnitude_sum_excess(8)))
+    return signs | (magnitudes - np.uint32(e2m1_magnitude_sum_excess(8)))
 
 
 def reference_codes(y: np.ndarray) -> np.ndarray:
@@ -115,7 +121,7 @@ def mismatches(y: np.ndarray) -> list[str]:
     expected = reference_codes(y)
     problems = []
     bits = magnitude_bits(y)
-    if not np.array_equal(bits - np.uint32(MAGIC_BITS), expected & np.uint32(7)):
+    if not np.array_equal(bits - np.uint32(E2M1_MAGIC_BITS), expected & np.uint32(7)):
         problems.append("magnitude_bits")
     if not np.array_equal(code(y), expected):
         problems.append("e2m1_code")
