@@ -53,6 +53,7 @@ sequence, in float64 the high-precision evaluation the oracle measures float out
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -430,6 +431,54 @@ def _check_inverse_mappings(pos_to_token_topk: torch.Tensor, token_topk_to_pos: 
         )
 
 
+class BackwardInputs(NamedTuple):
+    """``swiglu_backward_and_per_token_cast``'s inputs, checked (``check_backward_inputs``)."""
+
+    x_q: torch.Tensor
+    x_sf: torch.Tensor
+    rows: int
+    hidden: int
+    kblocks: int
+
+
+def check_backward_inputs(
+    x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels: int
+) -> BackwardInputs:
+    """The backward's argument checks that need no device data (types, dtypes, shapes, strides,
+    devices): shared by both twins; the mappings' ranges and inverse relation are the reference's
+    alone (they read the index data: a device synchronization)."""
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        raise TypeError(f"x must be a (x_q, x_sf) pair, got {type(x).__name__}")
+    x_q, x_sf = x
+    check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    check_unit_inner_stride("x[0]", x_q)
+    rows, hidden = x_q.shape[0], check_gate_up("x[0]", x_q)
+    check_int("num_per_channels", num_per_channels)
+    if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
+        raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
+    if hidden % num_per_channels:
+        raise ValueError(
+            f"the hidden size {hidden} must be a multiple of num_per_channels ({num_per_channels}), so that no "
+            "scale block spans both halves [g | u]"
+        )
+    kblocks = 2 * hidden // num_per_channels
+    check_scale_tensor("x[1]", x_sf, rows=rows, kblocks=kblocks, layout=ScaleLayout("row_major"), device=x_q.device)
+    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=2)
+    check_unit_inner_stride("grad_out", grad_out)
+    if tuple(grad_out.shape) != (rows, hidden):
+        raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
+    check_on_device("grad_out", grad_out, x_q.device)
+    check_topk_weights("weight", weight, x_q.device)
+    check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
+    check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
+    if token_topk_to_pos.shape != weight.shape:
+        raise ValueError(
+            f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
+        )
+    check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    return BackwardInputs(x_q, x_sf, rows, hidden, kblocks)
+
+
 def swiglu_backward_and_per_token_cast(
     x,
     grad_out: torch.Tensor,
@@ -469,35 +518,9 @@ def swiglu_backward_and_per_token_cast(
         - ``dweight`` fp32 ``[T, k]``: ``Σ_h go · act`` over row ``token_topk_to_pos[t, j]``,
           accumulated in fp64 and rounded once (0 where the slot has no row).
     """
-    if not (isinstance(x, (tuple, list)) and len(x) == 2):
-        raise TypeError(f"x must be a (x_q, x_sf) pair, got {type(x).__name__}")
-    x_q, x_sf = x
-    check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
-    check_unit_inner_stride("x[0]", x_q)
-    rows, hidden = x_q.shape[0], check_gate_up("x[0]", x_q)
-    check_int("num_per_channels", num_per_channels)
-    if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
-        raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
-    if hidden % num_per_channels:
-        raise ValueError(
-            f"the hidden size {hidden} must be a multiple of num_per_channels ({num_per_channels}), so that no "
-            "scale block spans both halves [g | u]"
-        )
-    kblocks = 2 * hidden // num_per_channels
-    check_scale_tensor("x[1]", x_sf, rows=rows, kblocks=kblocks, layout=ScaleLayout("row_major"), device=x_q.device)
-    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=2)
-    check_unit_inner_stride("grad_out", grad_out)
-    if tuple(grad_out.shape) != (rows, hidden):
-        raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
-    check_on_device("grad_out", grad_out, x_q.device)
-    check_topk_weights("weight", weight, x_q.device)
-    check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
-    check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
-    if token_topk_to_pos.shape != weight.shape:
-        raise ValueError(
-            f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
-        )
-    check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    x_q, x_sf, rows, hidden, _ = check_backward_inputs(
+        x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels
+    )
     check_index_range("pos_to_token_topk", pos_to_token_topk, weight.numel(), "flat indices t·k + j")
     check_index_range("token_topk_to_pos", token_topk_to_pos, rows, "rows of x")
     _check_inverse_mappings(pos_to_token_topk, token_topk_to_pos)

@@ -87,15 +87,13 @@ from tileproof.reference.contract import (
     check_num_per_tokens,
     check_per_token_blocks,
     check_scale_flags,
-    check_scale_tensor,
     check_tensor,
     check_unit_inner_stride,
 )
 from tileproof.reference.quant_swiglu import (
-    BACKWARD_CHANNEL_BLOCKS,
     CLAMP_COUNTERS,
     FORWARD_CHANNEL_BLOCK,
-    INDEX_DTYPES,
+    check_backward_inputs,
     check_clamp,
     check_gate_up,
     check_index_vector,
@@ -1506,35 +1504,9 @@ def swiglu_backward_and_per_token_cast(
     sequence; ``dweight`` an fp32 sum within the documented bound), except that the two mappings are
     trusted: their ranges and inverse relation are not checked (data-dependent: a device
     synchronization on every call)."""
-    if not (isinstance(x, (tuple, list)) and len(x) == 2):
-        raise TypeError(f"x must be a (x_q, x_sf) pair, got {type(x).__name__}")
-    x_q, x_sf = x
-    check_tensor("x[0]", x_q, dtypes=(torch.float8_e4m3fn,), ndim=2)
-    check_unit_inner_stride("x[0]", x_q)
-    rows, hidden = x_q.shape[0], check_gate_up("x[0]", x_q)
-    check_int("num_per_channels", num_per_channels)
-    if num_per_channels not in BACKWARD_CHANNEL_BLOCKS:
-        raise ValueError(f"num_per_channels must be one of {BACKWARD_CHANNEL_BLOCKS}, got {num_per_channels}")
-    if hidden % num_per_channels:
-        raise ValueError(
-            f"the hidden size {hidden} must be a multiple of num_per_channels ({num_per_channels}), so that no "
-            "scale block spans both halves [g | u]"
-        )
-    kblocks = 2 * hidden // num_per_channels
-    check_scale_tensor("x[1]", x_sf, rows=rows, kblocks=kblocks, layout=ScaleLayout("row_major"), device=x_q.device)
-    check_tensor("grad_out", grad_out, dtypes=(torch.bfloat16,), ndim=2)
-    check_unit_inner_stride("grad_out", grad_out)
-    if tuple(grad_out.shape) != (rows, hidden):
-        raise ValueError(f"grad_out must have shape {(rows, hidden)}, got {tuple(grad_out.shape)}")
-    check_on_device("grad_out", grad_out, x_q.device)
-    check_topk_weights("weight", weight, x_q.device)
-    check_index_vector("pos_to_token_topk", pos_to_token_topk, rows, x_q.device)
-    check_tensor("token_topk_to_pos", token_topk_to_pos, dtypes=INDEX_DTYPES, ndim=2)
-    if token_topk_to_pos.shape != weight.shape:
-        raise ValueError(
-            f"token_topk_to_pos must have weight's shape {tuple(weight.shape)}, got {tuple(token_topk_to_pos.shape)}"
-        )
-    check_on_device("token_topk_to_pos", token_topk_to_pos, x_q.device)
+    x_q, x_sf, rows, hidden, kblocks = check_backward_inputs(
+        x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels
+    )
     if weight.numel() >= 2**31:
         raise ValueError(f"weight must have fewer than 2^31 elements, got {weight.numel()}")
     round_sf = check_scale_flags(E4M3, round_sf, False)
