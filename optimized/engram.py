@@ -598,6 +598,19 @@ def gate_bwd_kernel(
     dw_span = T.dynamic("dw_span")
 
     @T.macro
+    def copy_own_columns(dst, dst_index, src, src_index, tx, hidden_vectors):
+        """``dst[dst_index(i, m, h, column) + e] = src[src_index(i, m, h, column) + e]`` for this
+        thread's columns inside the row (``column = i·threads + tx``), every stream ``m`` and every
+        16-byte piece ``h`` of a vector: w into shared memory, the block's sum out of it."""
+        for i in T.unroll(columns_per_thread):
+            column = i * threads + tx
+            if column < hidden_vectors:
+                for m in T.unroll(streams):
+                    for h in T.unroll(pieces):
+                        for e in T.vectorized(piece):
+                            dst[dst_index(i, m, h, column) + e] = src[src_index(i, m, h, column) + e]
+
+    @T.macro
     def load_gradient_rows(
         grad_out, v, gos, vs, token, tx, hidden_vectors, go_token_stride, go_stream_stride, v_token_stride
     ):
@@ -673,15 +686,14 @@ def gate_bwd_kernel(
                         for e in T.vectorized(piece):
                             shared[accumulator_offset(i, m, h, tx) + e] = T.float32(0)
             if weights_in_shared:
-                for i in T.unroll(columns_per_thread):
-                    column = i * threads + tx
-                    if column < hidden_vectors:
-                        for m in T.unroll(streams):
-                            for h in T.unroll(pieces):
-                                for e in T.vectorized(piece):
-                                    shared[weight_offset(i, m, h, tx) + e] = w[
-                                        (m * w_stream_stride + column) * vector + h * piece + e
-                                    ]
+                copy_own_columns(
+                    shared,
+                    lambda i, m, h, column: weight_offset(i, m, h, tx),
+                    w,
+                    lambda i, m, h, column: (m * w_stream_stride + column) * vector + h * piece,
+                    tx,
+                    hidden_vectors,
+                )
 
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
@@ -818,15 +830,14 @@ def gate_bwd_kernel(
                                     shared[accumulator_offset(i, m, h, tx) + e] = staged[h * piece + e]
 
             dw_row = T.cast(block, "int64") * streams * hidden_vectors
-            for i in T.unroll(columns_per_thread):
-                column = i * threads + tx
-                if column < hidden_vectors:
-                    for m in T.unroll(streams):
-                        for h in T.unroll(pieces):
-                            for e in T.vectorized(piece):
-                                dw_partial[(dw_row + m * hidden_vectors + column) * vector + h * piece + e] = shared[
-                                    accumulator_offset(i, m, h, tx) + e
-                                ]
+            copy_own_columns(
+                dw_partial,
+                lambda i, m, h, column: (dw_row + m * hidden_vectors + column) * vector + h * piece,
+                shared,
+                lambda i, m, h, column: accumulator_offset(i, m, h, tx),
+                tx,
+                hidden_vectors,
+            )
 
     return kernel
 
