@@ -131,13 +131,15 @@ class ForwardSchedule(NamedTuple):
     staging: str
 
 
-# By input dtype. bf16: a task is a row of 128 threads (H = 2048), 16 KiB of gate and up per warp
-# and stage; three stages in shared memory keep two tasks (128 KiB per SM) in flight while one
+# By input dtype. bf16: a task is a row of 128 threads (H = 2048), 16 KiB of gate and up per row
+# group and stage; two stages in shared memory keep one task (64 KiB per SM) in flight while one
 # computes, and leave the registers to the computation. Two units per thread halve the per-task
-# costs (block scales: one IEEE division pair per warp and task). Not yet swept on the device
-# (scratch/swiglu/gpu_bench.py times the variants).
+# costs (block scales: one IEEE division pair per warp and task). Swept on the H200 (16384 × 2·2048,
+# e4m3 1×128, µs plain / routed with weights, padding and clamp): three stages 51.7–52.6 / 67.7, two
+# 51.7–52.0 / 64.0–65.6, registers instead of shared memory 57.4 / 72.4–74.9, and 2–4 smaller CTAs
+# per SM (256 or 512 threads, each with its own table) no faster (docs/performance.md).
 FORWARD_SCHEDULE = {
-    torch.bfloat16: ForwardSchedule(1024, 2, 3, STAGING_SHARED),
+    torch.bfloat16: ForwardSchedule(1024, 2, 2, STAGING_SHARED),
     torch.float32: ForwardSchedule(1024, 1, 2, STAGING_SHARED),
 }
 # Register staging holds stages × units × (gate + up) words per thread; past 24 of them the
