@@ -52,7 +52,7 @@ from tileproof.reference.mhc import (
     check_square,
 )
 
-from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 
 # The norm-fn kernels and the fused / multilayer paths live in their own modules, which import the
 # kernels of this one: they are looked up on first use (PEP 562 ``__getattr__`` at the end), so
@@ -1105,10 +1105,9 @@ def expand_to_mhc_bwd(grad_output: torch.Tensor) -> torch.Tensor:
     kernel = apply_mix_kernel(n, vector)
     if compiling_only():
         return out
-    ones = torch.ones((1, 1), dtype=F32, device=grad_output.device)
     kernel(
         flat_view(grad_output),
-        ones.reshape(1),
+        device_constant(F32, grad_output.device, value=1, numel=1),
         flat_view(out),
         tokens,
         hidden // vector,

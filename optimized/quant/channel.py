@@ -56,7 +56,7 @@ from tileproof.reference.contract import (
 )
 from tileproof.reference.quant_blocks import FP8_ONLY, FUSED_INPUT_CHANNEL_BLOCK, FUSED_TOKEN_BLOCKS
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 from .blocks import half_as_float_bits, magnitude_bits, packed_max
 from .common import float_bits_abs, scale_and_multiplier, scale_from_ue8m0
 from .per_token import _vector_width, packed_scale_index
@@ -370,7 +370,7 @@ def _launch(values, x_sf, pos_to_token, q, sf, num_per_tokens: int, round_sf: bo
     if bf16_words:
         x_argument = x_argument.view(torch.int32)
     if x_sf is None or x_sf.numel() == 0:
-        x_sf_argument = torch.zeros(4, dtype=torch.uint8 if packed_x_sf else torch.float32, device=device)
+        x_sf_argument = device_constant(torch.uint8 if packed_x_sf else torch.float32, device)
         x_sf_row_stride = x_sf_kblock_stride = 0
     elif packed_x_sf:
         # int32 words [rows, kwords] with strides (1, ld): pass the bytes; ld counts words.
@@ -378,13 +378,11 @@ def _launch(values, x_sf, pos_to_token, q, sf, num_per_tokens: int, round_sf: bo
     else:
         x_sf_argument, x_sf_row_stride, x_sf_kblock_stride = flat_view(x_sf), x_sf.stride(0), x_sf.stride(1)
     # The kernel reads pos_to_token with unit stride (a strided view of indices is copied: P ints).
-    pos_argument = (
-        pos_to_token.contiguous() if pos_to_token is not None else torch.zeros(1, dtype=torch.int32, device=device)
-    )
+    pos_argument = pos_to_token.contiguous() if pos_to_token is not None else device_constant(torch.int32, device)
     store_bytes = store_width(rows) if transposed else 1
     q_argument = flat_view(q)
     # The int32 view of q for stores of 4 bytes or more (P % 4 == 0, so its size is too).
-    q_words = q_argument.view(torch.int32) if store_bytes >= 4 else torch.zeros(1, dtype=torch.int32, device=device)
+    q_words = q_argument.view(torch.int32) if store_bytes >= 4 else device_constant(torch.int32, device)
     kernel(
         x_argument,
         x_sf_argument,
