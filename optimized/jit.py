@@ -347,6 +347,11 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided((span,), (1,))
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 _constants: dict[tuple, torch.Tensor] = {}
 _constants_lock = threading.Lock()
 

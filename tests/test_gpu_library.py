@@ -294,3 +294,31 @@ def test_compiled_layers_match_eager(generator):
     with torch.no_grad():  # mhc_pre's inference kernel, in a second graph
         _close(compiled(tokens, previous), eager_model(tokens, previous), "no-grad logits")
     torch._dynamo.reset()
+
+
+def test_a_gather_through_pos_to_token_is_captured():
+    """``per_channel_cast_fused``'s range check of ``pos_to_token`` reads the indices back, which a
+    capture cannot hold: inside a capture it is skipped, and the kernel takes an index past x's rows
+    as a zero row (never a read out of bounds). Outside a capture the same index is a ValueError."""
+    from tileproof.optimized.quant.channel import per_channel_cast_fused
+
+    op = registry.get_op("per_channel_cast_fused")
+    case = next(case for case in op.cases("quick") if "/P200/" in case.label)
+    call = op.build(case, DEVICE, torch.Generator().manual_seed(registry.case_seed(0, case.label)))
+    wanted = call(per_channel_cast_fused)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(per_channel_cast_fused)
+    graph.replay()
+    torch.cuda.synchronize()
+    _same(captured, wanted, "replay of the captured gather")
+
+    pos_to_token = call.kwargs["pos_to_token"]
+    source_rows = call.args[0].shape[0]
+    valid = pos_to_token.clone()
+    pos_to_token.copy_(torch.where(torch.arange(pos_to_token.numel(), device=DEVICE) == 0, source_rows, valid))
+    with pytest.raises(ValueError, match="pos_to_token must hold row indices"):
+        per_channel_cast_fused(*call.args, **call.kwargs)
+    graph.replay()  # the captured call reads the same pos_to_token tensor, now with row 0 out of range
+    pos_to_token.copy_(torch.where(torch.arange(pos_to_token.numel(), device=DEVICE) == 0, -1, valid))
+    _same(captured, call(per_channel_cast_fused), "an index past x's rows as a zero row")

@@ -9,7 +9,8 @@ thread owning 8 *consecutive* tokens of one vector of channels:
 
 - Loads: thread ``(row r, column c)`` loads tokens ``8r .. 8r+7`` of its 16-byte vector (8 bf16, 4
   fp32 or 16 e4m3 channels), all before using any; a warp reads two 256-byte row segments per
-  load. With ``pos_to_token`` each token is first mapped to its source row (-1: a zero row). An
+  load. With ``pos_to_token`` each token is first mapped to its source row (-1: a zero row; so is an
+  index past x's rows, which the launcher refuses except inside a CUDA-graph capture). An
   e4m3 input is dequantized in registers: ``decode(q) · sf`` in fp32 with the scale of the row's
   1×128 block (a 16-element vector never straddles one), computed again when encoding rather than
   kept (16 fp32 registers per token otherwise).
@@ -56,7 +57,7 @@ from tileproof.reference.contract import (
 )
 from tileproof.reference.quant_blocks import FP8_ONLY, FUSED_INPUT_CHANNEL_BLOCK, FUSED_TOKEN_BLOCKS
 
-from ..jit import compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from ..jit import capturing, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 from .blocks import half_as_float_bits, magnitude_bits, packed_max
 from .common import float_bits_abs, scale_and_multiplier, scale_from_ue8m0
 from .per_token import _vector_width, packed_scale_index
@@ -163,6 +164,7 @@ def per_channel_kernel(
         x_sf_kblock_stride: T.int32,
         q_row_stores: T.int32,
         gather: T.int32,
+        num_source_rows: T.int32,
         store_bytes: T.int32,
         round_sf: T.int32,
     ):
@@ -200,7 +202,10 @@ def per_channel_kernel(
                 source_rows[item] = -1
                 if first_row + item < num_rows:
                     if gather != 0:
-                        source_rows[item] = pos[first_row + item]
+                        # An index past x's rows (the launcher's range check cannot run inside a
+                        # CUDA-graph capture) is a zero row, never a read out of bounds.
+                        source_row = pos[first_row + item]
+                        source_rows[item] = T.if_then_else(source_row < num_source_rows, source_row, -1)
                     else:
                         source_rows[item] = first_row + item
             for item in T.unroll(items):
@@ -397,6 +402,7 @@ def _launch(values, x_sf, pos_to_token, q, sf, num_per_tokens: int, round_sf: bo
         x_sf_kblock_stride,
         rows // store_bytes,
         int(pos_to_token is not None),
+        tokens,
         store_bytes,
         int(round_sf),
     )
@@ -412,7 +418,11 @@ def per_channel_cast_fused(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel cast of ``x``'s rows, optionally gathered (``pos_to_token``, -1: a zero row) and
     dequantized (a 1×128 e4m3 ``(q, sf)`` tuple) first, in one kernel; same contract as
-    ``tileproof.reference.quant_blocks.per_channel_cast_fused``, bit for bit, for any P."""
+    ``tileproof.reference.quant_blocks.per_channel_cast_fused``, bit for bit, for any P.
+
+    ``pos_to_token``'s range ([-1, T)) is checked on the host, which reads the indices back; inside a
+    CUDA-graph capture that read cannot run, and an index past x's rows gives a zero row instead of a
+    ``ValueError`` (never a read out of bounds)."""
     check_choice("fmt", fmt, FP8_ONLY)
     check_num_per_tokens(num_per_tokens, FUSED_TOKEN_BLOCKS)
     round_sf = check_scale_flags(E4M3, round_sf, False)
@@ -433,7 +443,9 @@ def per_channel_cast_fused(
     tokens, hidden = values.shape
     rows = tokens
     if pos_to_token is not None:
-        check_pos_to_token(pos_to_token, tokens, values.device, values=not compiling_only())
+        # The range check reads the indices back: not while compiling only, and not inside a CUDA-graph
+        # capture (which cannot hold a read-back; the kernel then takes an index past x's rows as a zero row).
+        check_pos_to_token(pos_to_token, tokens, values.device, values=not (compiling_only() or capturing()))
         rows = pos_to_token.shape[0]
     require_cuda("x[0]" if x_sf is not None else "x", values)
     device = values.device
