@@ -6,6 +6,7 @@ the checkout (``.tilelang-cache``, set by conftest), so repeated runs are fast.
 """
 
 import pytest
+import torch
 
 from tileproof.optimized.jit import compile_target
 from tileproof.oracle.runner import compile_all
@@ -351,3 +352,22 @@ def test_flat_view_spans_first_to_last_element_with_unit_stride():
         assert flat.shape == (span,) and (span == 0 or flat.stride() == (1,))
         assert flat.data_ptr() == tensor.data_ptr() or span == 0
     assert flat_view(strided)[-1] == strided[-1, -1]
+
+
+def test_device_constants_are_made_once_and_refused_inside_a_capture(monkeypatch):
+    """``device_constant``: one read-only tensor per device, dtype, value and size (a launcher's absent
+    tensors cost no fill kernel per call); inside a CUDA-graph capture a missing one raises instead of
+    recording a fill that would only run on replay."""
+    from tileproof.optimized import jit
+
+    zeros = jit.device_constant(torch.int64, torch.device("cpu"))
+    assert zeros is jit.device_constant(torch.int64, "cpu")
+    assert zeros.dtype == torch.int64 and zeros.shape == (4,) and not zeros.any()
+    ones = jit.device_constant(torch.float32, "cpu", value=1, numel=1)
+    assert ones is not jit.device_constant(torch.float32, "cpu") and ones.tolist() == [1.0]
+    assert jit.device_constant(torch.float8_e4m3fn, "cpu").view(torch.uint8).tolist() == [0, 0, 0, 0]
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
+        jit.device_constant(torch.float32, torch.device("cuda", 0), value=2.5)
+    assert jit.device_constant(torch.int64, "cpu") is zeros  # CPU tensors are never captured
