@@ -244,7 +244,7 @@ class KernelFactory:
         launch = self._launches.get(key)
         if launch is not None:
             return launch
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(
                 f"{self.qualified_name}{args}: first call of this kernel configuration inside a CUDA-graph "
                 "capture; building or loading a kernel cannot be captured. Call the operator once with "
