@@ -19,7 +19,7 @@ from rich.text import Text
 from .policy import ERROR, FAIL, PASS, Check
 from .registry import get_op
 from .runner import GRID_CHECK, OPTIMIZED, REFERENCE_ONLY, CaseResult, Report, outcome_counts, policies
-from .timing import geomean
+from .timing import LAUNCH_OVERHEAD_TARGET_US, geomean
 
 SCHEMA = "tileproof-oracle/1"
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", ERROR: "bold magenta", REFERENCE_ONLY: "cyan"}
@@ -426,6 +426,20 @@ def _table(header: list[str], rows: list[list], align: str | None = None) -> lis
 SLOWEST_BUILDS_SHOWN = 10
 
 
+def _overhead_lines(timed) -> list[str]:
+    """How many timed workloads meet issue 8's warm-launch line, and the median overhead."""
+    overheads = [r.timing.overhead_us for r in timed if r.timing.overhead_us is not None]
+    if not overheads:
+        return []
+    under = sum(overhead < LAUNCH_OVERHEAD_TARGET_US for overhead in overheads)
+    return [
+        "",
+        f"Warm launch overhead under {LAUNCH_OVERHEAD_TARGET_US:g} µs above the kernel time (issue 8's line): "
+        f"{under} of {len(overheads)} timed workloads; median {statistics.median(overheads):.1f} µs, "
+        f"largest {max(overheads):.1f} µs.",
+    ]
+
+
 def _kernel_build_lines(builds: dict[str, float]) -> list[str]:
     """The kernel configurations' first calls: how many, their total and median, the slowest."""
     if not builds:
@@ -493,7 +507,8 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
             f"operator's launches). GB/s counts the bytes the operator must read plus write, over the "
             f"kernel time; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s. "
             "host µs: the optimized call's own host time (median of warm calls made while the GPU is busy); "
-            "back-to-back calls are launch-bound where it exceeds µs.",
+            "back-to-back calls are launch-bound where it exceeds µs. overhead µs: what back-to-back warm "
+            "calls pay above the kernel time, max(host µs, stream µs) − µs.",
             "",
         ]
         rows = []
@@ -506,6 +521,7 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _number(t.optimized_us),
                     _number(t.optimized_stream_us),
                     _number(t.host_us),
+                    _number(t.overhead_us),
                     _number(t.gbps, 0),
                     _number(t.pct_roof),
                     _number(t.eager_us),
@@ -514,9 +530,10 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _speedup(t.speedup_compiled),
                 ]
             )
-        header = ["operator", "workload", "µs", "stream µs", "host µs", "GB/s", "% roof", "eager µs", "compile µs"]
-        header += ["× eager", "× compile"]
-        lines += _table(header, rows, "llrrrrrrrrr")
+        header = ["operator", "workload", "µs", "stream µs", "host µs", "overhead µs", "GB/s", "% roof"]
+        header += ["eager µs", "compile µs", "× eager", "× compile"]
+        lines += _table(header, rows, "llrrrrrrrrrr")
+        lines += _overhead_lines(timed)
         speedups = _family_speedups(report)
         if speedups:
             lines += ["", "Geometric means per family:", ""]

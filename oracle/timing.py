@@ -45,6 +45,8 @@ BUDGET_MS = 100.0  # GPU time spent on the timed runs of one callee
 MIN_REPS, MAX_REPS = 5, 200
 HOST_REPS = 21  # warm calls whose host time is measured (median)
 LARGE_CASE_BYTES = 128 << 20  # full-profile cases moving at least this much are timed too
+# Issue 8's line: a warm call should cost less than this above the kernel's own time.
+LAUNCH_OVERHEAD_TARGET_US = 10.0
 
 
 def copy_roof_gbps() -> float:
@@ -82,6 +84,15 @@ class Timing:
         return self.bytes_moved / (self.optimized_us * 1e3) if self.optimized_us else None
 
     @property
+    def overhead_us(self) -> float | None:
+        """What back-to-back warm calls pay above the kernel time: ``max(host µs, stream µs) − µs``.
+        A call whose host work outlasts its kernels is launch-bound (host − µs); otherwise what is left
+        is the stream's own gap (the event records, a multi-kernel operator's launches)."""
+        if None in (self.optimized_us, self.host_us, self.optimized_stream_us):
+            return None
+        return max(self.host_us, self.optimized_stream_us) - self.optimized_us
+
+    @property
     def pct_roof(self) -> float | None:
         return 100.0 * self.gbps / self.roof_gbps if self.gbps is not None else None
 
@@ -102,6 +113,7 @@ class Timing:
             "reference_eager_us": self.eager_us,
             "reference_compiled_us": self.compiled_us,
             "optimized_host_us": self.host_us,
+            "launch_overhead_us": self.overhead_us,
             "gbps": self.gbps,
             "pct_copy_roof": self.pct_roof,
             "speedup_vs_eager": self.speedup_eager,

@@ -441,6 +441,14 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     assert measured.optimized_us > 0
 
 
+def test_launch_overhead_is_what_back_to_back_calls_pay_above_the_kernel():
+    launch_bound = timing.Timing(1 << 20, 4217.0, optimized_us=3.0, optimized_stream_us=5.5, host_us=40.0)
+    stream_bound = timing.Timing(1 << 20, 4217.0, optimized_us=50.0, optimized_stream_us=53.0, host_us=40.0)
+    assert launch_bound.overhead_us == 37.0 and launch_bound.as_dict()["launch_overhead_us"] == 37.0
+    assert stream_bound.overhead_us == 3.0
+    assert timing.Timing(1 << 20, 4217.0, optimized_us=3.0, host_us=40.0).overhead_us is None
+
+
 def test_host_time_is_the_median_of_single_calls(monkeypatch):
     """A call that waits (a synchronization, a slow launch path) shows in host_us at its own cost."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
@@ -476,7 +484,8 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs |" in text
+    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | overhead µs |" in text
+    assert "timed workloads; median" in text
     assert "## Kernel builds" not in text  # the stand-in builds no kernel
     built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
     assert "## Kernel builds" in report.markdown(built) and "3.50" in report.markdown(built)
