@@ -366,6 +366,9 @@ def device_constant(dtype: torch.dtype, device: torch.device, value: float = 0, 
     these tensors (or not at all), so one per device serves every stream. Inside a CUDA-graph
     capture a missing constant cannot be made (its fill would only run on replay): that raises,
     like a cold kernel, and the operator's first call outside the capture makes it."""
+    tensor = _constants.get((device, dtype, value, numel))  # a tensor's own device: the common call
+    if tensor is not None:
+        return tensor
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

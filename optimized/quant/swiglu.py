@@ -70,6 +70,7 @@ and counts cost issue slots) and the schedule (``FORWARD_SCHEDULE`` by input dty
 row by ``_plan``).
 """
 
+import functools
 from typing import NamedTuple
 
 import tilelang.language as T
@@ -878,6 +879,12 @@ class _Plan(NamedTuple):
 
 
 def _plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int) -> _Plan:
+    """``_fitted_plan`` for the current ``FORWARD_SCHEDULE`` (memoized: it runs on every call)."""
+    return _fitted_plan(hidden, row_scales, dtype, vector, FORWARD_SCHEDULE[dtype])
+
+
+@functools.lru_cache(maxsize=256)
+def _fitted_plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int, schedule: ForwardSchedule) -> _Plan:
     """``FORWARD_SCHEDULE[dtype]`` fitted to the row: the smallest row group (whole warps, at most a
     CTA) whose task of ``units_per_thread`` units covers the row. Block scales split a longer row into
     a power of two of parts (a part past the row's end is an empty task); row scales need the whole
@@ -885,7 +892,6 @@ def _plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int) -> _Pl
     units per thread (a separately compiled kernel). Single bf16 values (odd H) are staged in
     registers, one unit per thread; stages are dropped while the staging does not fit (shared memory
     or REGISTER_STAGE_WORDS), and a shared stage that never fits stages in registers."""
-    schedule = FORWARD_SCHEDULE[dtype]
     # 32-bit words of gate and up per unit: bf16 pairs, or fp32 values (also single bf16 values).
     unit_words = CHUNK if dtype == torch.bfloat16 and vector > 1 else 2 * CHUNK
     staging, units_per_thread = schedule.staging, schedule.units_per_thread
