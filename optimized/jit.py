@@ -375,7 +375,7 @@ def device_constant(dtype: torch.dtype, device: torch.device, value: float = 0, 
     key = (device, dtype, value, numel)
     tensor = _constants.get(key)
     if tensor is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and capturing():
             raise RuntimeError(
                 f"a {dtype} constant on {device} is first needed inside a CUDA-graph capture, which cannot fill it; "
                 "call the operator once on this device before capturing"

@@ -367,6 +367,7 @@ def test_device_constants_are_made_once_and_refused_inside_a_capture(monkeypatch
     assert ones is not jit.device_constant(torch.float32, "cpu") and ones.tolist() == [1.0]
     assert jit.device_constant(torch.float8_e4m3fn, "cpu").view(torch.uint8).tolist() == [0, 0, 0, 0]
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         jit.device_constant(torch.float32, torch.device("cuda", 0), value=2.5)
