@@ -674,6 +674,9 @@ def gate_bwd_kernel(
             sums = T.alloc_local((streams,), "float32")
             gates = T.alloc_local((streams,), "float32")
             betas = T.alloc_local((streams,), "float32")
+            token_dot = T.alloc_local((streams,), "float32")
+            token_rstd_x = T.alloc_local((streams,), "float32")
+            token_rstd_k = T.alloc_local((streams,), "float32")
             x_coefficients = T.alloc_local((streams,), "float32")
             k_coefficients = T.alloc_local((streams,), "float32")
             dv_values = T.alloc_local((vector,), "float32")
@@ -754,8 +757,13 @@ def gate_bwd_kernel(
                                 xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
                             for e in T.vectorized(vector):
                                 ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                # The token's statistics with its gates, at its start: loaded after the dg barrier,
+                # their latency would sit on every token's critical path.
                 for m in T.unroll(streams):
                     gates[m] = gate[token * streams + m]
+                    token_dot[m] = dot[token * streams + m]
+                    token_rstd_x[m] = rstd_x[token * streams + m]
+                    token_rstd_k[m] = rstd_k[token * streams + m]
 
                 # dv needs no reduction: store it while the dg partials travel.
                 out_row = T.cast(token, "int64") * streams * hidden_vectors
@@ -780,16 +788,16 @@ def gate_bwd_kernel(
                 cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
 
                 for m in T.unroll(streams):
-                    dot_value = dot[token * streams + m]
-                    norms = rstd_x[token * streams + m] * rstd_k[token * streams + m] * scale  # ∂s/∂dot
+                    dot_value = token_dot[m]
+                    rx = token_rstd_x[m]
+                    rk = token_rstd_k[m]
+                    norms = rx * rk * scale  # ∂s/∂dot
                     # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
                     # divides by 1 instead (as the reference's safe_dot).
                     clamped = T.abs(dot_value) * norms < clamp_value
                     safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
                     slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
                     betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                    rx = rstd_x[token * streams + m]
-                    rk = rstd_k[token * streams + m]
                     x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
                     k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
 
