@@ -382,8 +382,7 @@ def check_router_arguments(
             check_tensor(name, flags, dtypes=(torch.bool,), ndim=1)
             if flags.shape[0] != num_tokens:
                 raise ValueError(f"{name} must have shape ({num_tokens},), got {tuple(flags.shape)}")
-    routed = torch.ones(num_tokens, dtype=torch.bool, device=logits.device) if mask is None else mask
-    if values and not bool(torch.isfinite(logits[routed]).all()):
+    if values and not bool(torch.isfinite(logits if mask is None else logits[mask]).all()):
         raise ValueError("logits must be finite (no NaN or inf) in every routed token")
     if unmapped_topk_idx is not None:
         check_tensor("unmapped_topk_idx", unmapped_topk_idx, dtypes=(torch.int64,), ndim=2)
@@ -400,7 +399,7 @@ def check_router_arguments(
         if unmapped_topk_idx is None:
             raise ValueError("fix_routing_mask needs unmapped_topk_idx, which holds the fixed indices")
         if values:
-            fixed = fix_routing_mask & routed
+            fixed = fix_routing_mask if mask is None else fix_routing_mask & mask
             _check_index_values("unmapped_topk_idx (fixed rows)", unmapped_topk_idx[fixed], low=0, high=num_routed)
     if (to_physical_map is None) != (logical_count is None):
         raise ValueError("to_physical_map and logical_count must be given together")
