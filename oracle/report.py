@@ -506,9 +506,10 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
             "around the optimized call (adds the event records and the gaps between a multi-kernel "
             f"operator's launches). GB/s counts the bytes the operator must read plus write, over the "
             f"kernel time; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s. "
-            "host µs: the optimized call's own host time (median of warm calls made while the GPU is busy); "
-            "back-to-back calls are launch-bound where it exceeds µs. overhead µs: what back-to-back warm "
-            "calls pay above the kernel time, max(host µs, stream µs) − µs.",
+            "host µs: one warm optimized call's host time (median of single calls made while the GPU is busy). "
+            "back-to-back µs: wall time per call of warm calls made back to back (no flush, no synchronization "
+            "between them), launch-bound where the host is slower than the kernels. overhead µs: what those "
+            "calls pay above their own kernel time (CUPTI, same loop; warm L2, so at most the flushed µs).",
             "",
         ]
         rows = []
@@ -521,6 +522,7 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _number(t.optimized_us),
                     _number(t.optimized_stream_us),
                     _number(t.host_us),
+                    _number(t.back_to_back_us),
                     _number(t.overhead_us),
                     _number(t.gbps, 0),
                     _number(t.pct_roof),
@@ -530,9 +532,9 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _speedup(t.speedup_compiled),
                 ]
             )
-        header = ["operator", "workload", "µs", "stream µs", "host µs", "overhead µs", "GB/s", "% roof"]
-        header += ["eager µs", "compile µs", "× eager", "× compile"]
-        lines += _table(header, rows, "llrrrrrrrrrr")
+        header = ["operator", "workload", "µs", "stream µs", "host µs", "back-to-back µs", "overhead µs", "GB/s"]
+        header += ["% roof", "eager µs", "compile µs", "× eager", "× compile"]
+        lines += _table(header, rows, "llrrrrrrrrrrr")
         lines += _overhead_lines(timed)
         speedups = _family_speedups(report)
         if speedups:

@@ -14,8 +14,11 @@ every run reads its inputs from HBM, as a large operator does in a model. Two me
   operator; docs/performance.md).
 
 The host's launch overhead is hidden behind the flush in both (the GPU queue stays ahead); the
-host time of a warm call is measured on its own (``host_us``). The number of runs adapts to the
-operator's duration (a fixed budget of GPU time per callee).
+host time of a warm call is measured on its own (``host_us``), and a loop of warm calls made back
+to back, with no flush and no synchronization between them, gives what a stream of calls pays per
+call (``back_to_back_us``) and the kernel time inside that loop: their difference is the warm
+launch overhead (``launch_overhead_us``). The number of runs adapts to the operator's duration (a
+fixed budget of GPU time per callee).
 
 Bandwidth is ``bytes_moved / kernel time`` with the operator's bytes model (bytes it must read plus
 bytes it must write); the roof is the measured device-to-device copy bandwidth of the H200.
@@ -44,6 +47,12 @@ L2_FLUSH_BYTES = 1 << 30
 BUDGET_MS = 100.0  # GPU time spent on the timed runs of one callee
 MIN_REPS, MAX_REPS = 5, 200
 HOST_REPS = 21  # warm calls whose host time is measured (median)
+# Back-to-back loops: calls sized to about this much kernel time (within the bounds), three loops
+# (median); long enough that the first launch and the final synchronization are a fraction of a µs
+# per call.
+BACK_TO_BACK_KERNEL_US = 5000.0
+BACK_TO_BACK_CALLS = (20, 500)
+BACK_TO_BACK_LOOPS = 3
 LARGE_CASE_BYTES = 128 << 20  # full-profile cases moving at least this much are timed too
 # Issue 8's line: a warm call should cost less than this above the kernel's own time.
 LAUNCH_OVERHEAD_TARGET_US = 10.0
@@ -76,6 +85,11 @@ class Timing:
     # Host cost of one warm optimized call (validation, allocation, the kernel calls): what a
     # launch-bound caller pays per call, whatever the kernel's own time.
     host_us: float | None = None
+    # Warm optimized calls made back to back (no flush, no synchronization between them), per call:
+    # the wall time, and the kernel time of the same calls (CUPTI). Their difference is what the
+    # launch costs a stream of calls above the kernels themselves.
+    back_to_back_us: float | None = None
+    back_to_back_kernel_us: float | None = None
     reps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # callee -> why it has no time
 
@@ -85,12 +99,13 @@ class Timing:
 
     @property
     def overhead_us(self) -> float | None:
-        """What back-to-back warm calls pay above the kernel time: ``max(host µs, stream µs) − µs``.
-        A call whose host work outlasts its kernels is launch-bound (host − µs); otherwise what is left
-        is the stream's own gap (the event records, a multi-kernel operator's launches)."""
-        if None in (self.optimized_us, self.host_us, self.optimized_stream_us):
+        """What back-to-back warm calls pay above the kernel time, measured on one loop of them:
+        wall time per call minus the kernel time per call. A call whose host work outlasts its
+        kernels is launch-bound (the GPU waits for the host); otherwise what is left is the gap
+        between kernels on the stream (a multi-kernel operator's launches)."""
+        if None in (self.back_to_back_us, self.back_to_back_kernel_us):
             return None
-        return max(self.host_us, self.optimized_stream_us) - self.optimized_us
+        return self.back_to_back_us - self.back_to_back_kernel_us
 
     @property
     def pct_roof(self) -> float | None:
@@ -113,6 +128,8 @@ class Timing:
             "reference_eager_us": self.eager_us,
             "reference_compiled_us": self.compiled_us,
             "optimized_host_us": self.host_us,
+            "back_to_back_us": self.back_to_back_us,
+            "back_to_back_kernel_us": self.back_to_back_kernel_us,
             "launch_overhead_us": self.overhead_us,
             "gbps": self.gbps,
             "pct_copy_roof": self.pct_roof,
@@ -185,6 +202,30 @@ class Timer:
             times.append(time.perf_counter() - started)
         torch.cuda.synchronize()
         return statistics.median(times) * 1e6
+
+
+    def back_to_back_us(self, fn: Callable[[], object], kernel_us: float) -> tuple[float, float]:
+        """Per call of warm calls of ``fn`` made back to back, as a model's stream of calls makes them
+        (no flush, no synchronization between calls, so the host queues ahead where it can): the
+        wall time (median of three loops) and the kernel time of such a loop (CUPTI). ``kernel_us``
+        (one call's kernel time) sizes the loop."""
+        low, high = BACK_TO_BACK_CALLS
+        calls = max(low, min(high, int(BACK_TO_BACK_KERNEL_US / max(kernel_us, 1.0))))
+
+        def loop():
+            for _ in range(calls):
+                fn()
+
+        fn()
+        walls = []
+        for _ in range(BACK_TO_BACK_LOOPS):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            loop()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - started) / calls * 1e6)
+        kernel = sum(end - start for start, end, _ in gpu_activities(loop)) / calls
+        return statistics.median(walls), kernel
 
 
 def gpu_activities(loop: Callable[[], None]) -> list[tuple[float, float, str]]:
@@ -269,6 +310,9 @@ def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile
         timing.reps[name] = reps
         if name == "optimized":
             timing.host_us = timer.host_us(lambda fn=fn: call(fn))
+            timing.back_to_back_us, timing.back_to_back_kernel_us = timer.back_to_back_us(
+                lambda fn=fn: call(fn), median
+            )
     return timing
 
 

@@ -386,7 +386,10 @@ def _fake_profiler(monkeypatch):
 
     def activities(loop):
         marks.clear()
+        started = time.perf_counter()
         loop()
+        if not marks:  # a loop without flushes (back to back): one activity as long as the loop
+            return [(0.0, (time.perf_counter() - started) * 1e6, "kernel")]
         ends = [*marks[1:], time.perf_counter()]
         recorded = []
         for run, (flushed, ended) in enumerate(zip(marks, ends, strict=True)):
@@ -428,6 +431,8 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     assert measured.optimized_us > 0 and measured.eager_us > 0 and measured.compiled_us is None
     assert measured.optimized_stream_us > 0 and measured.as_dict()["optimized_stream_us"] > 0
     assert measured.host_us > 0 and measured.as_dict()["optimized_host_us"] == measured.host_us
+    assert measured.back_to_back_us > 0 and measured.back_to_back_kernel_us > 0
+    assert measured.as_dict()["launch_overhead_us"] == measured.back_to_back_us - measured.back_to_back_kernel_us
     assert timing.MIN_REPS <= measured.reps["optimized"] <= timing.MAX_REPS
     assert "compiled" in measured.errors
     assert measured.bytes_moved == op.bytes_moved(case) > 0
@@ -442,11 +447,29 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
 
 
 def test_launch_overhead_is_what_back_to_back_calls_pay_above_the_kernel():
-    launch_bound = timing.Timing(1 << 20, 4217.0, optimized_us=3.0, optimized_stream_us=5.5, host_us=40.0)
-    stream_bound = timing.Timing(1 << 20, 4217.0, optimized_us=50.0, optimized_stream_us=53.0, host_us=40.0)
-    assert launch_bound.overhead_us == 37.0 and launch_bound.as_dict()["launch_overhead_us"] == 37.0
-    assert stream_bound.overhead_us == 3.0
+    launch_bound = timing.Timing(1 << 20, 4217.0, optimized_us=3.0, back_to_back_us=40.0, back_to_back_kernel_us=2.5)
+    stream_bound = timing.Timing(1 << 20, 4217.0, optimized_us=50.0, back_to_back_us=51.0, back_to_back_kernel_us=49.0)
+    assert launch_bound.overhead_us == 37.5 and launch_bound.as_dict()["launch_overhead_us"] == 37.5
+    assert stream_bound.overhead_us == 2.0
     assert timing.Timing(1 << 20, 4217.0, optimized_us=3.0, host_us=40.0).overhead_us is None
+
+
+def test_back_to_back_loop_is_sized_by_the_kernel_time_and_measures_the_wall(monkeypatch):
+    """A launch-bound call (host 2 ms, no kernel time of note) shows its host time per call."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+
+    def slow_call():
+        calls.append(None)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(timing, "gpu_activities", lambda loop: (loop(), [(0.0, 30.0, "kernel")])[1])
+    timer = timing.Timer(CPU, flush_bytes=1 << 10)
+    wall, kernel = timer.back_to_back_us(slow_call, kernel_us=1000.0)
+    low, high = timing.BACK_TO_BACK_CALLS
+    loop_calls = max(low, min(high, int(timing.BACK_TO_BACK_KERNEL_US / 1000.0)))
+    assert len(calls) == 1 + (timing.BACK_TO_BACK_LOOPS + 1) * loop_calls  # warm-up, timed loops, profiled loop
+    assert 2000 <= wall < 20000 and kernel == pytest.approx(30.0 / loop_calls)
 
 
 def test_host_time_is_the_median_of_single_calls(monkeypatch):
@@ -484,7 +507,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | overhead µs |" in text
+    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | back-to-back µs | overhead µs |" in text
     assert "timed workloads; median" in text
     assert "## Kernel builds" not in text  # the stand-in builds no kernel
     built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
