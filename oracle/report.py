@@ -507,8 +507,8 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
             f"operator's launches). GB/s counts the bytes the operator must read plus write, over the "
             f"kernel time; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s. "
             "host µs: one warm optimized call's host time (median of single calls made while the GPU is busy). "
-            "back-to-back µs: wall time per call of warm calls made back to back (no flush, no synchronization "
-            "between them), launch-bound where the host is slower than the kernels. overhead µs: what those "
+            "back-to-back µs: stream time per call of warm calls made back to back (no flush, no synchronization "
+            "between them; CUDA events), launch-bound where the host is slower than the kernels. overhead µs: what those "
             "calls pay above their own kernel time (CUPTI, same loop; warm L2, so at most the flushed µs).",
             "",
         ]

@@ -419,6 +419,7 @@ def test_kernel_time_per_run_splits_the_profile_at_the_flushes():
 
 def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     _fake_profiler(monkeypatch)
     case = _small_case("per_token_cast")
@@ -454,9 +455,11 @@ def test_launch_overhead_is_what_back_to_back_calls_pay_above_the_kernel():
     assert timing.Timing(1 << 20, 4217.0, optimized_us=3.0, host_us=40.0).overhead_us is None
 
 
-def test_back_to_back_loop_is_sized_by_the_kernel_time_and_measures_the_wall(monkeypatch):
+def test_back_to_back_loop_is_sized_by_the_kernel_time_and_measures_the_stream(monkeypatch):
     """A launch-bound call (host 2 ms, no kernel time of note) shows its host time per call."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     calls = []
 
     def slow_call():
@@ -491,6 +494,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     op is the reference itself, CUDA events are host clocks."""
     monkeypatch.setattr(runner, "execution_target", lambda: (CPU, True))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(timing, "L2_FLUSH_BYTES", 1 << 10)
     _fake_profiler(monkeypatch)
