@@ -428,16 +428,19 @@ SLOWEST_BUILDS_SHOWN = 10
 
 def _overhead_lines(timed) -> list[str]:
     """How many timed workloads meet issue 8's warm-launch line, and the median overhead."""
-    overheads = [r.timing.overhead_us for r in timed if r.timing.overhead_us is not None]
-    if not overheads:
-        return []
-    under = sum(overhead < LAUNCH_OVERHEAD_TARGET_US for overhead in overheads)
-    return [
-        "",
-        f"Warm launch overhead under {LAUNCH_OVERHEAD_TARGET_US:g} µs above the kernel time (issue 8's line): "
-        f"{under} of {len(overheads)} timed workloads; median {statistics.median(overheads):.1f} µs, "
-        f"largest {max(overheads):.1f} µs.",
-    ]
+    lines = []
+    for what, attribute in (("Warm launch overhead", "overhead_us"), ("In a CUDA graph, the overhead", "graph_overhead_us")):
+        overheads = [getattr(r.timing, attribute) for r in timed if getattr(r.timing, attribute) is not None]
+        if not overheads:
+            continue
+        under = sum(overhead < LAUNCH_OVERHEAD_TARGET_US for overhead in overheads)
+        lines += [
+            "",
+            f"{what} under {LAUNCH_OVERHEAD_TARGET_US:g} µs above the kernel time (issue 8's line): "
+            f"{under} of {len(overheads)} timed workloads; median {statistics.median(overheads):.1f} µs, "
+            f"largest {max(overheads):.1f} µs.",
+        ]
+    return lines
 
 
 def _kernel_build_lines(builds: dict[str, float]) -> list[str]:
@@ -509,7 +512,8 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
             "host µs: one warm optimized call's host time (median of single calls made while the GPU is busy). "
             "back-to-back µs: stream time per call of warm calls made back to back (no flush, no synchronization "
             "between them; CUDA events), launch-bound where the host is slower than the kernels. overhead µs: what those "
-            "calls pay above their own kernel time (CUPTI, same loop; warm L2, so at most the flushed µs).",
+            "calls pay above their own kernel time (CUPTI, same loop; warm L2, so at most the flushed µs). "
+            "graph overhead µs: the same with the call captured once in a CUDA graph and the graph replayed.",
             "",
         ]
         rows = []
@@ -524,6 +528,7 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _number(t.host_us),
                     _number(t.back_to_back_us),
                     _number(t.overhead_us),
+                    _number(t.graph_overhead_us),
                     _number(t.gbps, 0),
                     _number(t.pct_roof),
                     _number(t.eager_us),
@@ -532,9 +537,9 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
                     _speedup(t.speedup_compiled),
                 ]
             )
-        header = ["operator", "workload", "µs", "stream µs", "host µs", "back-to-back µs", "overhead µs", "GB/s"]
-        header += ["% roof", "eager µs", "compile µs", "× eager", "× compile"]
-        lines += _table(header, rows, "llrrrrrrrrrrr")
+        header = ["operator", "workload", "µs", "stream µs", "host µs", "back-to-back µs", "overhead µs"]
+        header += ["graph overhead µs", "GB/s", "% roof", "eager µs", "compile µs", "× eager", "× compile"]
+        lines += _table(header, rows, "llrrrrrrrrrrrr")
         lines += _overhead_lines(timed)
         speedups = _family_speedups(report)
         if speedups:

@@ -92,6 +92,9 @@ class Timing:
     # launch costs a stream of calls above the kernels themselves.
     back_to_back_us: float | None = None
     back_to_back_kernel_us: float | None = None
+    # The same loop with the call captured once in a CUDA graph and the graph replayed: what a caller
+    # that captures (a serving loop, a training step under CUDA graphs) pays per call.
+    graph_us: float | None = None
     reps: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # callee -> why it has no time
 
@@ -108,6 +111,13 @@ class Timing:
         if None in (self.back_to_back_us, self.back_to_back_kernel_us):
             return None
         return self.back_to_back_us - self.back_to_back_kernel_us
+
+    @property
+    def graph_overhead_us(self) -> float | None:
+        """Per call above the kernel time when the call is a CUDA graph replayed back to back."""
+        if None in (self.graph_us, self.back_to_back_kernel_us):
+            return None
+        return self.graph_us - self.back_to_back_kernel_us
 
     @property
     def pct_roof(self) -> float | None:
@@ -133,6 +143,8 @@ class Timing:
             "back_to_back_us": self.back_to_back_us,
             "back_to_back_kernel_us": self.back_to_back_kernel_us,
             "launch_overhead_us": self.overhead_us,
+            "graph_us": self.graph_us,
+            "graph_overhead_us": self.graph_overhead_us,
             "gbps": self.gbps,
             "pct_copy_roof": self.pct_roof,
             "speedup_vs_eager": self.speedup_eager,
@@ -213,26 +225,56 @@ class Timer:
         each behind a short GPU sleep) and the kernel time of such a loop (CUPTI). Where the host is
         slower than the kernels the stream waits for it, and the wait is in the first number.
         ``kernel_us`` (one call's kernel time) sizes the loop."""
-        low, high = BACK_TO_BACK_CALLS
-        calls = max(low, min(high, int(BACK_TO_BACK_KERNEL_US / max(kernel_us, 1.0))))
+        calls = _back_to_back_calls(kernel_us)
 
         def loop():
             for _ in range(calls):
                 fn()
 
         fn()
-        spans = []
-        for _ in range(BACK_TO_BACK_LOOPS):
-            begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            torch.cuda._sleep(HEAD_START_CYCLES)
-            begin.record()
-            loop()
-            finish.record()
-            finish.synchronize()
-            spans.append(begin.elapsed_time(finish) * 1e3 / calls)
         kernel = sum(end - start for start, end, _ in gpu_activities(loop)) / calls
-        return statistics.median(spans), kernel
+        return _stream_us_per_call(loop, calls), kernel
+
+    def graph_replay_us(self, fn: Callable[[], object], kernel_us: float) -> float:
+        """Per call, the stream time of one call of ``fn`` captured in a CUDA graph and the graph
+        replayed back to back (as ``back_to_back_us``); ``fn`` must already be warm."""
+        replay = self._capture(fn)
+        calls = _back_to_back_calls(kernel_us)
+
+        def loop():
+            for _ in range(calls):
+                replay()
+
+        loop()
+        return _stream_us_per_call(loop, calls)
+
+    @staticmethod
+    def _capture(fn: Callable[[], object]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+
+def _back_to_back_calls(kernel_us: float) -> int:
+    low, high = BACK_TO_BACK_CALLS
+    return max(low, min(high, int(BACK_TO_BACK_KERNEL_US / max(kernel_us, 1.0))))
+
+
+def _stream_us_per_call(loop: Callable[[], None], calls: int) -> float:
+    """Median over loops of the stream time (CUDA events) of ``loop`` per call, each loop behind a
+    GPU sleep so that the host's first call is made while the GPU is busy."""
+    spans = []
+    for _ in range(BACK_TO_BACK_LOOPS):
+        begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HEAD_START_CYCLES)
+        begin.record()
+        loop()
+        finish.record()
+        finish.synchronize()
+        spans.append(begin.elapsed_time(finish) * 1e3 / calls)
+    return statistics.median(spans)
 
 
 def gpu_activities(loop: Callable[[], None]) -> list[tuple[float, float, str]]:
@@ -320,6 +362,10 @@ def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile
             timing.back_to_back_us, timing.back_to_back_kernel_us = timer.back_to_back_us(
                 lambda fn=fn: call(fn), median
             )
+            try:
+                timing.graph_us = timer.graph_replay_us(lambda fn=fn: call(fn), median)
+            except Exception as error:  # an operator that cannot be captured is reported, not fatal
+                timing.errors["graph"] = first_line(error)
     return timing
 
 

@@ -420,6 +420,7 @@ def test_kernel_time_per_run_splits_the_profile_at_the_flushes():
 def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(timing.Timer, "_capture", staticmethod(lambda fn: fn))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     _fake_profiler(monkeypatch)
     case = _small_case("per_token_cast")
@@ -434,9 +435,19 @@ def test_time_case_bookkeeping_without_a_gpu(monkeypatch, stand_in, seed):
     assert measured.host_us > 0 and measured.as_dict()["optimized_host_us"] == measured.host_us
     assert measured.back_to_back_us > 0 and measured.back_to_back_kernel_us > 0
     assert measured.as_dict()["launch_overhead_us"] == measured.back_to_back_us - measured.back_to_back_kernel_us
+    assert measured.graph_us > 0 and measured.as_dict()["graph_overhead_us"] == measured.graph_overhead_us
     assert timing.MIN_REPS <= measured.reps["optimized"] <= timing.MAX_REPS
     assert "compiled" in measured.errors
     assert measured.bytes_moved == op.bytes_moved(case) > 0
+
+    def no_capture(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(timing.Timer, "_capture", staticmethod(no_capture))
+    measured = timing.time_case(op, case, call, timer, torch_compile=False)
+    assert measured.graph_us is None and measured.graph_overhead_us is None
+    assert measured.errors["graph"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert measured.overhead_us is not None
 
     def broken_compile(op):
         raise RuntimeError("inductor says no")
@@ -453,6 +464,8 @@ def test_launch_overhead_is_what_back_to_back_calls_pay_above_the_kernel():
     assert launch_bound.overhead_us == 37.5 and launch_bound.as_dict()["launch_overhead_us"] == 37.5
     assert stream_bound.overhead_us == 2.0
     assert timing.Timing(1 << 20, 4217.0, optimized_us=3.0, host_us=40.0).overhead_us is None
+    replayed = timing.Timing(1 << 20, 4217.0, graph_us=4.5, back_to_back_kernel_us=2.5)
+    assert replayed.graph_overhead_us == 2.0 and replayed.as_dict()["graph_overhead_us"] == 2.0
 
 
 def test_back_to_back_loop_is_sized_by_the_kernel_time_and_measures_the_stream(monkeypatch):
@@ -460,6 +473,7 @@ def test_back_to_back_loop_is_sized_by_the_kernel_time_and_measures_the_stream(m
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(timing.Timer, "_capture", staticmethod(lambda fn: fn))
     calls = []
 
     def slow_call():
@@ -495,6 +509,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     monkeypatch.setattr(runner, "execution_target", lambda: (CPU, True))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(timing.Timer, "_capture", staticmethod(lambda fn: fn))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(timing, "L2_FLUSH_BYTES", 1 << 10)
     _fake_profiler(monkeypatch)
@@ -511,8 +526,8 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | back-to-back µs | overhead µs |" in text
-    assert "timed workloads; median" in text
+    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | back-to-back µs | overhead µs | graph overhead µs |" in text
+    assert "timed workloads; median" in text and "In a CUDA graph, the overhead under" in text
     assert "## Kernel builds" not in text  # the stand-in builds no kernel
     built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
     assert "## Kernel builds" in report.markdown(built) and "3.50" in report.markdown(built)
