@@ -429,7 +429,8 @@ SLOWEST_BUILDS_SHOWN = 10
 def _overhead_lines(timed) -> list[str]:
     """How many timed workloads meet issue 8's warm-launch line, and the median overhead."""
     lines = []
-    for what, attribute in (("Warm launch overhead", "overhead_us"), ("In a CUDA graph, the overhead", "graph_overhead_us")):
+    measures = (("Warm launch overhead", "overhead_us"), ("In a CUDA graph, the overhead", "graph_overhead_us"))
+    for what, attribute in measures:
         overheads = [getattr(r.timing, attribute) for r in timed if getattr(r.timing, attribute) is not None]
         if not overheads:
             continue
@@ -511,8 +512,9 @@ def markdown(report: Report, benchmark_suite: BenchmarkSuite | None = None, fold
             f"kernel time; the roof is the device-to-device copy bandwidth, {roof:,.0f} GB/s. "
             "host µs: one warm optimized call's host time (median of single calls made while the GPU is busy). "
             "back-to-back µs: stream time per call of warm calls made back to back (no flush, no synchronization "
-            "between them; CUDA events), launch-bound where the host is slower than the kernels. overhead µs: what those "
-            "calls pay above their own kernel time (CUPTI, same loop; warm L2, so at most the flushed µs). "
+            "between them; CUDA events), launch-bound where the host is slower than the kernels. "
+            "overhead µs: what those calls pay above their own kernel time (CUPTI, same loop; warm L2, "
+            "so at most the flushed µs). "
             "graph overhead µs: the same with the call captured once in a CUDA graph and the graph replayed.",
             "",
         ]

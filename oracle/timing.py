@@ -217,7 +217,6 @@ class Timer:
         torch.cuda.synchronize()
         return statistics.median(times) * 1e6
 
-
     def back_to_back_us(self, fn: Callable[[], object], kernel_us: float) -> tuple[float, float]:
         """Per call of warm calls of ``fn`` made back to back, as a model's stream of calls makes them
         (no flush, no synchronization between calls, so the host queues ahead where it can): the

@@ -503,6 +503,9 @@ def test_host_time_is_the_median_of_single_calls(monkeypatch):
     assert len(calls) == 6  # one warm-up call, then the measured ones
 
 
+HEADER_OF_TIMINGS = "| stream µs | host µs | back-to-back µs | overhead µs | graph overhead µs |"
+
+
 def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     """The whole GPU-mode run (compare, determinism, timing, reports) on the CPU: the optimized
     op is the reference itself, CUDA events are host clocks."""
@@ -526,7 +529,7 @@ def test_gpu_flow_end_to_end_with_stand_ins(monkeypatch, stand_in, tmp_path):
     names = {check.name for check in bench_result.checks}
     assert {"q", "sf", "determinism", "inputs untouched", "reference CPU ≡ GPU: sf"} <= names
     text = report.markdown(built)
-    assert "## Timings" in text and benchmark.title in text and "| stream µs | host µs | back-to-back µs | overhead µs | graph overhead µs |" in text
+    assert "## Timings" in text and benchmark.title in text and HEADER_OF_TIMINGS in text
     assert "timed workloads; median" in text and "In a CUDA graph, the overhead under" in text
     assert "## Kernel builds" not in text  # the stand-in builds no kernel
     built.kernel_builds = {"tileproof.optimized.quant.per_token.per_token_cast_kernel('bfloat16', 'e4m3')": 3.5}
