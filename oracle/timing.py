@@ -88,8 +88,8 @@ class Timing:
     # launch-bound caller pays per call, whatever the kernel's own time.
     host_us: float | None = None
     # Warm optimized calls made back to back (no flush, no synchronization between them), per call:
-    # the wall time, and the kernel time of the same calls (CUPTI). Their difference is what the
-    # launch costs a stream of calls above the kernels themselves.
+    # the stream time (CUDA events), and the kernel time of the same calls (CUPTI). Their difference
+    # is what the launch costs a stream of calls above the kernels themselves.
     back_to_back_us: float | None = None
     back_to_back_kernel_us: float | None = None
     # The same loop with the call captured once in a CUDA graph and the graph replayed: what a caller
