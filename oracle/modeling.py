@@ -112,6 +112,15 @@ def _grad(leaf: torch.Tensor) -> torch.Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
+@dataclass
+class Driven:
+    """What a driver's timed call returns once the layers have run, forward and backward: ``finish``
+    builds the outputs the oracle compares (views of fused gradients, stacks of intermediates, report
+    scales). ``ModelingOp.split`` calls it after the call, so that work is not timed as the layer's."""
+
+    finish: Callable[[], tuple]
+
+
 class LayerDriver:
     """``spec.drive(layers, *args, **kwargs)``: the operator's callable over ``layers``, a module
     with the layer functions of ``tileproof.<twin>.modeling``."""
@@ -150,6 +159,9 @@ class ModelingOp(FloatOp):
 
     def reference(self) -> Callable:
         return LayerDriver(self, reference_modeling)
+
+    def split(self, result) -> tuple[torch.Tensor, ...]:
+        return super().split(result.finish() if isinstance(result, Driven) else result)
 
     def optimized(self) -> Callable | None:
         layers = optimized_modeling()
@@ -389,12 +401,16 @@ class EngramGateLayer(ModelingOp):
         with torch.enable_grad():
             out = layers.engram_gate(x, k, v, wh, we, clamp_value, eps)
             out.backward(grad_output)
-        grad_kv = _grad(kv)
-        grad_k = grad_kv[..., : streams * hidden].unflatten(-1, (streams, hidden)).contiguous()
-        grad_v = grad_kv[..., streams * hidden :].contiguous()
-        gains = (wh.main_grad, we.main_grad) if main_grads is not None else (_grad(wh), _grad(we))
-        reported = (g * scale for g, scale in zip(gains, report_scales, strict=True))
-        return (out.detach(), _grad(x), grad_k, grad_v, *reported)
+
+        def finish():
+            grad_kv = _grad(kv)
+            grad_k = grad_kv[..., : streams * hidden].unflatten(-1, (streams, hidden)).contiguous()
+            grad_v = grad_kv[..., streams * hidden :].contiguous()
+            gains = (wh.main_grad, we.main_grad) if main_grads is not None else (_grad(wh), _grad(we))
+            reported = (g * scale for g, scale in zip(gains, report_scales, strict=True))
+            return (out.detach(), _grad(x), grad_k, grad_v, *reported)
+
+        return Driven(finish)
 
     def expected_layout(self, case):
         p: GateLayerParams = case.params
@@ -771,10 +787,14 @@ class MhcPipeline(ModelingOp):
                 pre_eps=pre_eps,
             )
             out.backward(grad_output)
-        forward = [torch.stack([block[k].detach() for block in blocks]) for k in range(4)]
-        stacked = [_per_block(_grad(t), s) for t, s in zip(parameters[:4], report_scales[:4], strict=True)]
-        head = [_grad(t) * s for t, s in zip(parameters[4:], report_scales[4:], strict=True)]
-        return (out.detach(), *forward, _grad(h), *stacked, *head)
+
+        def finish():
+            forward = [torch.stack([block[k].detach() for block in blocks]) for k in range(4)]
+            stacked = [_per_block(_grad(t), s) for t, s in zip(parameters[:4], report_scales[:4], strict=True)]
+            head = [_grad(t) * s for t, s in zip(parameters[4:], report_scales[4:], strict=True)]
+            return (out.detach(), *forward, _grad(h), *stacked, *head)
+
+        return Driven(finish)
 
     def expected_layout(self, case):
         p: PipelineParams = case.params
