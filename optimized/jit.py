@@ -365,7 +365,11 @@ def device_constant(dtype: torch.dtype, device: torch.device, value: float = 0, 
     the operator's own kernel time, plus a launch and an allocation on the host. Kernels only read
     these tensors (or not at all), so one per device serves every stream. Inside a CUDA-graph
     capture a missing constant cannot be made (its fill would only run on replay): that raises,
-    like a cold kernel, and the operator's first call outside the capture makes it."""
+    like a cold kernel, and the operator's first call outside the capture makes it. While compiling
+    only (and under ``outputs_only``, whose inputs may be fake or meta tensors) nothing launches and
+    nothing is kept: a fresh tensor, so that no fake tensor lands in the cache."""
+    if compiling_only():
+        return torch.full((numel,), value, dtype=dtype, device=device)
     tensor = _constants.get((device, dtype, value, numel))  # a tensor's own device: the common call
     if tensor is not None:
         return tensor

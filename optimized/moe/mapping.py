@@ -58,7 +58,7 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 
 __all__ = [
     "normalize_weight",
@@ -415,7 +415,7 @@ def _count(indices: torch.Tensor, num_experts: int, padding_floor: int, totals, 
         chunks,
         padding_floor,
     )
-    placeholder = torch.empty(0, dtype=torch.int32, device=indices.device)
+    placeholder = device_constant(torch.int32, indices.device, numel=0)
     totals_kernel(counts, totals, placeholder, frequency, num_experts, chunks, 1, denominator, mode)
 
 
@@ -429,7 +429,7 @@ def group_count(group_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     check_int("num_groups", num_groups, low=1)
     require_cuda("group_idx", group_idx)
     out = new_output(torch.empty(num_groups, dtype=torch.int32, device=group_idx.device))
-    placeholder = torch.empty(0, dtype=torch.float32, device=group_idx.device)
+    placeholder = device_constant(torch.float32, group_idx.device, numel=0)
     _count(group_idx, num_groups, INT64_MIN, out, placeholder, 0, MODE_COUNT)
     return out
 
@@ -443,7 +443,7 @@ def aux_fi(topk_idx: torch.Tensor, num_experts: int, num_aux_topk: int) -> torch
     check_int("num_aux_topk", num_aux_topk, low=1)
     require_cuda("topk_idx", topk_idx)
     out = new_output(torch.empty(num_experts, dtype=torch.float32, device=topk_idx.device))
-    placeholder = torch.empty(0, dtype=torch.int32, device=topk_idx.device)
+    placeholder = device_constant(torch.int32, topk_idx.device, numel=0)
     denominator = topk_idx.shape[0] * num_aux_topk
     _count(topk_idx, num_experts, -1, placeholder, out, denominator, MODE_FREQUENCY)
     return out
@@ -864,7 +864,7 @@ def get_fused_mapping(
     totals = torch.empty(num_experts, dtype=torch.int32, device=device)
     row_stride, column_stride = _strides(topk_idx)
     histogram(flat_view(topk_idx), bases, num_slots, num_topk, row_stride, column_stride, num_experts, chunks, -1)
-    placeholder = torch.empty(0, dtype=torch.float32, device=device)
+    placeholder = device_constant(torch.float32, device, numel=0)
     totals_kernel(bases, totals, sizes, placeholder, num_experts, chunks, alignment, 0, MODE_MAPPING)
     size_list: list[int] = []
     if should_sync:

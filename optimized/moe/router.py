@@ -64,7 +64,7 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 
 __all__ = ["topk_gate", "topk_sum_and_topk_group_idx", "top2_sum_gate"]
 
@@ -989,17 +989,17 @@ def top2_sum_gate(
 
     def flags_argument(flags):
         if flags is None:
-            return torch.empty(0, dtype=torch.uint8, device=device), 0, 0
+            return device_constant(torch.uint8, device, numel=0), 0, 0
         return flat_view(flags).view(torch.uint8), 1, flags.stride(0)
 
     mask_argument, has_mask, mask_stride = flags_argument(mask)
     fixed_argument, has_fixed, fixed_stride = flags_argument(fix_routing_mask)
     if unmapped_topk_idx is None:
-        unmapped_argument, has_unmapped, unmapped_stride = torch.empty(0, dtype=torch.int64, device=device), 0, 0
+        unmapped_argument, has_unmapped, unmapped_stride = device_constant(torch.int64, device, numel=0), 0, 0
     else:
         unmapped_argument, has_unmapped, unmapped_stride = flat_view(unmapped_topk_idx), 1, unmapped_topk_idx.stride(0)
     if to_physical_map is None:
-        placeholder = torch.empty(0, dtype=torch.int32, device=device)
+        placeholder = device_constant(torch.int32, device, numel=0)
         map_argument, count_argument, has_map, map_strides, count_stride = placeholder, placeholder, 0, (0, 0), 0
     else:
         map_argument, count_argument, has_map = flat_view(to_physical_map), flat_view(logical_count), 1

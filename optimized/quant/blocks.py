@@ -44,7 +44,7 @@ from tileproof.reference.contract import (
     check_scale_tensor,
 )
 
-from ..jit import compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 from .common import e2m1_code, float_bits_abs, scale_and_multiplier, scale_from_ue8m0, ue8m0_byte
 from .dequantize import cast_back
 from .per_token import MODE_CAST, MODE_PRECOMPUTED_SF, MODE_SF_ONLY, _vector_width, packed_scale_index
@@ -409,7 +409,7 @@ def per_block_cast_with_sf_only(
     layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
     sf = new_output(layout.empty(ceil_div(tokens, bm), ceil_div(hidden, bk), x.device))
-    placeholder = torch.empty((0,), dtype=spec.storage_dtype, device=x.device)
+    placeholder = device_constant(spec.storage_dtype, x.device, numel=0)
     _launch(x, spec, bm, bk, sf, placeholder, MODE_SF_ONLY, round_sf, use_packed_ue8m0)
     return sf
 

@@ -39,7 +39,7 @@ from tileproof.reference.contract import (
     check_scale_tensor,
 )
 
-from ..jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 from .common import (
     cta_amax_bits,
     e2m1_pack_codes,
@@ -647,7 +647,7 @@ def per_token_cast_with_sf_only(
     layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
     sf = new_output(layout.empty(tokens, ceil_div(hidden, num_per_channels), x.device))
-    placeholder = torch.empty((0,), dtype=spec.storage_dtype, device=x.device)
+    placeholder = device_constant(spec.storage_dtype, x.device, numel=0)
     _launch(x, spec, num_per_channels, sf, placeholder, MODE_SF_ONLY, round_sf, use_packed_ue8m0)
     return sf
 

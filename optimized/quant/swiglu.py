@@ -1556,7 +1556,6 @@ def swiglu_backward_and_per_token_cast(
         row_strides = (token_topk_to_pos.stride(0) * words, token_topk_to_pos.stride(1) * words, words - 1)
     else:
         row_words, row_strides = placeholder_int, (0, 0, 0)
-    weight_argument = flat_view(weight) if weight.numel() else device_constant(torch.float32, device)
     go_argument = flat_view(grad_out).view(torch.int32) if go_vector % 2 == 0 else flat_view(grad_out)
 
     def flat_or_constant(tensor):
@@ -1566,7 +1565,7 @@ def swiglu_backward_and_per_token_cast(
         flat_or_constant(x_q),
         flat_or_constant(x_sf),
         go_argument if grad_out.numel() else device_constant(go_argument.dtype, device),
-        weight_argument,
+        flat_or_constant(weight),
         slot_words if slot_words is not None else placeholder_int,
         row_words,
         flat_or_constant(out),
