@@ -101,9 +101,22 @@ POST_WIDE_ITEMS = 2
 BF16_VECTOR = 8
 # Reductions over C: one CTA per token row.
 REDUCE_THREADS = 128
+# mhc_post_bwd rows of 129–255 column vectors (C 1280: 160) take one CTA of whole warps covering the
+# row instead of two 128-thread chunks, which left 96 lanes idle: 86.7 against 88.4 µs at T 8192,
+# C 1280 on the H200. Wider rows that 128 does not divide measured no better in 160-thread chunks
+# (C 2560: 147.3 against 146.3 µs), so they keep REDUCE_THREADS.
+MAX_ROW_CTA_THREADS = 256
 # Parameter gradients of the token kernels: CTAs of the first stage (each reduces a strided share of
 # the tokens into one partial row); enough to fill an H200 and few enough for one CTA to add up.
 PARTIAL_BLOCKS = 264
+
+
+def post_bwd_threads(columns: int) -> int:
+    """``post_bwd_kernel``'s CTA for a row of ``columns`` vectors: REDUCE_THREADS, or one CTA of whole
+    warps covering a row a little wider than that (see MAX_ROW_CTA_THREADS)."""
+    if REDUCE_THREADS < columns < MAX_ROW_CTA_THREADS and columns % REDUCE_THREADS:
+        return 32 * ceil_div(columns, 32)
+    return REDUCE_THREADS
 
 
 def _alignment_elements(tensor: torch.Tensor) -> int:
@@ -1047,7 +1060,7 @@ def mhc_post_bwd(
     if hidden == 0:
         return d_x, d_residual, d_post.zero_(), d_comb.zero_()
     vector = _stream_vector(hidden, grad_output, x, residual)
-    kernel = post_bwd_kernel(n, vector)
+    kernel = post_bwd_kernel(n, vector, post_bwd_threads(hidden // vector))
     if compiling_only():
         return d_x, d_residual, d_post, d_comb
     kernel(
