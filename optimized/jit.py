@@ -115,14 +115,16 @@ def compile_target() -> dict:
     return {"kind": "cuda", "arch": arch}
 
 
-def jit(solver: dict[str, str] = FAST_SOLVER, **kwargs):
-    """``tilelang.jit`` with the project's target and pass configuration; its kernels lower with
-    Z3 under ``solver`` (see ``FAST_SOLVER``). The factory it returns compiles (or loads from
-    TileLang's cache) on call, except inside ``batched_device_compile``."""
+def jit(solver: dict[str, str] = FAST_SOLVER, pass_configs: dict | None = None, **kwargs):
+    """``tilelang.jit`` with the project's target and pass configuration (``pass_configs`` overrides
+    entries of ``PASS_CONFIGS`` for one factory); its kernels lower with Z3 under ``solver`` (see
+    ``FAST_SOLVER``). The factory it returns compiles (or loads from TileLang's cache) on call,
+    except inside ``batched_device_compile``."""
+    configs = {**PASS_CONFIGS, **(pass_configs or {})}
 
     def decorate(factory):
-        compiler = tilelang.jit(target=compile_target(), pass_configs=PASS_CONFIGS, **kwargs)(factory)
-        return KernelFactory(compiler, f"{factory.__module__}.{factory.__qualname__}", solver)
+        compiler = tilelang.jit(target=compile_target(), pass_configs=configs, **kwargs)(factory)
+        return KernelFactory(compiler, f"{factory.__module__}.{factory.__qualname__}", solver, configs)
 
     return decorate
 
@@ -221,9 +223,12 @@ class KernelFactory:
     """A ``tilelang.jit`` kernel factory (its attributes are the wrapped one's) that defers the
     device compile while a ``batched_device_compile`` is active."""
 
-    def __init__(self, compiler, qualified_name: str, solver: dict[str, str] = FAST_SOLVER):
+    def __init__(
+        self, compiler, qualified_name: str, solver: dict[str, str] = FAST_SOLVER, pass_configs: dict | None = None
+    ):
         self._compiler = compiler
         self.solver = solver
+        self.pass_configs = PASS_CONFIGS if pass_configs is None else pass_configs
         # The factory's own module and name: kernel configurations are keyed by it (TileLang's
         # wrapper names every factory "kernel", so two factories with the same static arguments
         # would share a key).
@@ -465,12 +470,12 @@ class DeviceCompileBatch:
             try:
                 with lowering_solver(factory.solver):
                     program = factory.get_tir(*args, **kwargs)
-                    fingerprint = _fingerprint(program, factory.solver)
+                    fingerprint = _fingerprint(program, factory.solver, factory.pass_configs)
                     if (self.marker_dir / fingerprint).exists():
                         source = None
                     else:
                         target = tilelang.tvm.target.Target(compile_target())
-                        with tilelang.tvm.transform.PassContext(opt_level=3, config=PASS_CONFIGS), target:
+                        with tilelang.tvm.transform.PassContext(opt_level=3, config=factory.pass_configs), target:
                             source = tilelang.lower(program, target=target).kernel_source
             except Exception as error:
                 # Kept per kernel too: another process's cases that need it fail with it after ``absorb``.
@@ -601,11 +606,11 @@ def _device_compile_error(code: str) -> str | None:
     return None
 
 
-def _fingerprint(program, solver: dict[str, str]) -> str:
+def _fingerprint(program, solver: dict[str, str], pass_configs: dict) -> str:
     parts = [
         program.script(show_meta=True),
         json.dumps(compile_target(), sort_keys=True),
-        repr(sorted((str(k), repr(v)) for k, v in PASS_CONFIGS.items())),
+        repr(sorted((str(k), repr(v)) for k, v in pass_configs.items())),
         repr(sorted(solver.items())),
         _z3_version(),
         tilelang.__version__,

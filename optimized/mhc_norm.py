@@ -2,13 +2,22 @@
 
 Same public names, argument order and results as ``tileproof.reference.mhc``, within the bounds the
 oracle states (``oracle/mhc.py``, ``PreNormFn`` / ``PreNormFnBwd``): those assume fp32 sums over
-``nC`` (or T) terms in any order with fn (dmul) read as TF32, 2^-11 per product. These kernels
-multiply in plain fp32 FFMA (2^-24 per product), which is *more* accurate than the TF32 model, so
-the same bounds hold; only the summation order differs from PyTorch's.
+``nC`` (or T) terms in any order with fn (dmul) read as TF32, 2^-11 per product. The FFMA kernels
+multiply in plain fp32 (2^-24 per product) and the tensor-core path with fn·γ split into two bf16
+parts (2^-18), both *more* accurate than the TF32 model, so the same bounds hold; only the
+summation order differs from PyTorch's.
 
 Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 for n = 4):
 
-- **Forward / statistics** (``norm_fn_kernel``): one warp per ``TOKENS`` tokens walks the whole
+- **Forward / statistics on tensor cores** (a contiguous residual with 16-byte rows, the layout a
+  model passes): ``folded_fn_split_kernel`` writes ``fn·γ`` transposed as bf16 ``[hi | lo]`` columns
+  (``hi = bf16(f)``, ``lo = bf16(f − hi)``); ``norm_fn_mma_kernel`` streams x by TMA in tiles of 64
+  tokens × 128 features through a 3-stage warp-specialized pipeline into one bf16 wgmma per tile
+  (M 64, N 2·m rounded to 8, fp32 accumulation) and adds up x² per element on the side; few token
+  tiles split the features over more CTAs (a split count from the shape only, so the bits do not
+  depend on the GPU), and ``norm_fn_finish_kernel`` adds the splits in order, hi and lo, and applies
+  the same epilogue as ``norm_fn_kernel``. x is read once, from HBM; fn·γ (2.8 MB at C 7168) from L2.
+- **Forward / statistics, other layouts** (``norm_fn_kernel``): one warp per ``TOKENS`` tokens walks the whole
   row. A lane takes groups of ``GROUP`` consecutive channels of one stream (one 8-byte load per
   token on the vector path), keeps ``TOKENS·(m + 1)`` fp32 partial sums (the m dot products and Σx²
   of each token) in registers and reads the matching fn rows one at a time (γ folded in on the fly:
@@ -23,13 +32,14 @@ Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 fo
   order (deterministic, no atomics), multiplies by γ and sums ``dfn_folded·fn`` over m for dγ.
 """
 
+import tilelang
 import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
 from tileproof.reference.mhc import check_norm_inputs
 
-from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 
 __all__ = ["mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"]
 
@@ -50,6 +60,20 @@ REDUCE_THREADS = 128
 # of 132 SMs × 4), with at least MIN_SPLIT_TOKENS tokens per split.
 TARGET_CTAS = 1056
 MIN_SPLIT_TOKENS = 64
+
+# Tensor-core path of the GEMM (x · fnᵀ with Σx² on the side): x is streamed once by TMA in tiles of
+# MMA_TOKENS tokens × MMA_DEPTH features; fn·γ is split into bf16 high and low parts
+# (fn·γ = hi + lo + O(2^-18)·|fn·γ|), so one bf16 wgmma per tile gives both products with fp32
+# accumulation: more accurate than the TF32 model the oracle's bound assumes (2^-11 per product).
+MMA_TOKENS = 64  # one warpgroup's wgmma M
+MMA_DEPTH = 128
+MMA_STAGES = 3
+MMA_THREADS = 128  # the consumer warpgroup (TileLang adds the TMA producer)
+# The features are split over CTAs when there are few token tiles: about this many CTAs, from the
+# shape alone (never the SM count), so the summation order, and so the bits, are the same on any GPU.
+MMA_TARGET_CTAS = 256
+FINISH_THREADS = 128
+SPLIT_THREADS = 128
 
 
 @T.macro
@@ -399,6 +423,204 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
     return kernel
 
 
+@jit()
+def folded_fn_split_kernel(rows: int, half: int, weighted: bool, threads: int = SPLIT_THREADS):
+    """``folded[k, j] = bf16(f)`` and ``folded[k, half + j] = bf16(f − bf16(f))`` for ``f = fn[j, k]·γ[k]``
+    (fp32, the reference's one rounding; γ only when ``weighted``), ``j < rows``; zero in the padding
+    columns and in the rows past the features. ``f − bf16(f)`` is exact in fp32."""
+    columns = 2 * half
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    padded = T.dynamic("padded")
+
+    @T.prim_func
+    def kernel(
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        folded: T.Tensor((padded, columns), "bfloat16"),
+        features: T.int32,
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(padded, threads), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            value = T.alloc_local((1,), "float32")
+            k = block * threads + tx
+            if k < padded:
+                for j in T.unroll(half):
+                    value[0] = T.float32(0)
+                    if j < rows:
+                        if k < features:
+                            value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
+                            if weighted:
+                                value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
+                    folded[k, j] = T.cast(value[0], "bfloat16")
+                    folded[k, half + j] = T.cast(value[0] - T.cast(T.cast(value[0], "bfloat16"), "float32"), "bfloat16")
+
+    return kernel
+
+
+# TileLang's warp-specialized pipeline (a TMA producer warp group feeding the wgmma consumers), and its
+# guarded stores for the tail tile of tokens (the project's other kernels guard their own accesses).
+MMA_PASS_CONFIGS = {
+    tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: False,
+    tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: False,
+}
+
+
+@jit(pass_configs=MMA_PASS_CONFIGS)
+def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_STAGES):
+    """Grid (token tiles, feature splits): ``partial[s, t, :] = Σ_{k in split s} x[t, k]·folded[k, :]``
+    (bf16 wgmma, fp32 accumulation) and ``partial_sq[s, t] = Σ_{k in split s} x[t, k]²`` (fp32). Tiles
+    past the tokens or features read zeros (TMA)."""
+    tokens = T.dynamic("tokens")
+    features = T.dynamic("features")
+    padded = T.dynamic("padded")
+    splits = T.dynamic("splits")
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((tokens, features), "bfloat16"),
+        folded: T.Tensor((padded, columns), "bfloat16"),
+        partial: T.Tensor((splits, tokens, columns), "float32"),
+        partial_sq: T.Tensor((splits, tokens), "float32"),
+        steps_per_split: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(tokens, MMA_TOKENS), splits, threads=MMA_THREADS) as (tile, split):
+            x_shared = T.alloc_shared((MMA_TOKENS, depth), "bfloat16")
+            folded_shared = T.alloc_shared((depth, columns), "bfloat16")
+            products = T.alloc_fragment((MMA_TOKENS, columns), "float32")
+            squares = T.alloc_fragment((MMA_TOKENS, depth), "float32")
+            row_squares = T.alloc_fragment((MMA_TOKENS,), "float32")
+            T.clear(products)
+            T.clear(squares)
+            first_step = split * steps_per_split
+            steps = T.min(steps_per_split, T.ceildiv(features, depth) - first_step)
+            for step in T.Pipelined(steps, num_stages=stages):
+                T.copy(x[tile * MMA_TOKENS, (first_step + step) * depth], x_shared)
+                T.copy(folded[(first_step + step) * depth, 0], folded_shared)
+                T.gemm(x_shared, folded_shared, products)
+                # Element-wise per step, reduced once at the end: no cross-thread sum in the loop.
+                for i, k in T.Parallel(MMA_TOKENS, depth):
+                    squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
+                        x_shared[i, k], "float32"
+                    )
+            T.reduce_sum(squares, row_squares, dim=1)
+            T.copy(products, partial[split, tile * MMA_TOKENS, 0])
+            for i in T.Parallel(MMA_TOKENS):
+                if tile * MMA_TOKENS + i < tokens:
+                    partial_sq[split, tile * MMA_TOKENS + i] = row_squares[i]
+
+    return kernel
+
+
+@jit()
+def norm_fn_finish_kernel(rows: int, half: int, backward: bool, threads: int = FINISH_THREADS):
+    """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
+    in order), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
+    ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]``."""
+    columns = 2 * half
+    width = rows + 1 if backward else rows
+    tokens = T.dynamic("tokens")
+    splits = T.dynamic("splits")
+    grad_span = T.dynamic("grad_span")
+    out_span = T.dynamic("out_span")
+
+    @T.prim_func
+    def kernel(
+        partial: T.Tensor((splits, tokens, columns), "float32"),
+        partial_sq: T.Tensor((splits, tokens), "float32"),
+        grad: T.Tensor((grad_span,), "float32"),
+        out: T.Tensor((out_span,), "float32"),
+        features: T.int32,
+        grad_token_stride: T.int32,
+        grad_col_stride: T.int32,
+        eps: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(tokens, threads), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            mul = T.alloc_local((rows,), "float32")
+            low = T.alloc_local((rows,), "float32")
+            sq = T.alloc_local((1,), "float32")
+            dot = T.alloc_local((1,), "float32")
+            token = block * threads + tx
+            if token < tokens:
+                for j in T.unroll(rows):
+                    mul[j] = T.float32(0)
+                    low[j] = T.float32(0)
+                sq[0] = T.float32(0)
+                for s in T.serial(splits):
+                    for j in T.unroll(rows):
+                        mul[j] = mul[j] + partial[s, token, j]
+                        low[j] = low[j] + partial[s, token, half + j]
+                    sq[0] = sq[0] + partial_sq[s, token]
+                count = T.cast(features, "float32")
+                rstd = T.rsqrt(T.ieee_fdiv(sq[0], count) + eps)
+                base = T.cast(token, "int64") * width
+                if backward:
+                    g_base = T.cast(token, "int64") * grad_token_stride
+                    dot[0] = T.float32(0)
+                    for j in T.unroll(rows):
+                        g = grad[g_base + j * grad_col_stride]
+                        dot[0] = dot[0] + g * (mul[j] + low[j])
+                        out[base + j] = g * rstd
+                    out[base + rows] = T.ieee_fdiv(-dot[0] * rstd, sq[0] + eps * count)
+                else:
+                    for j in T.unroll(rows):
+                        out[base + j] = (mul[j] + low[j]) * rstd
+
+    return kernel
+
+
+def _tensor_cores(residual: torch.Tensor) -> bool:
+    """The tensor-core path reads x ``[T, nC]`` by TMA: a contiguous residual whose rows are 16-byte
+    multiples on a 16-byte aligned base. Other layouts take the FFMA kernel."""
+    tokens, n, hidden = residual.shape
+    return residual.is_contiguous() and (n * hidden) % 8 == 0 and address(residual) % 16 == 0
+
+
+def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
+    """(splits, steps per split) of the features for the tensor-core GEMM: from the shape only."""
+    steps = ceil_div(features, MMA_DEPTH)
+    wanted = max(1, min(steps, ceil_div(MMA_TARGET_CTAS, ceil_div(tokens, MMA_TOKENS))))
+    per_split = ceil_div(steps, wanted)
+    return ceil_div(steps, per_split), per_split
+
+
+def _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool) -> None:
+    """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``) by the
+    tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue)."""
+    tokens, n, hidden = residual.shape
+    features = n * hidden
+    rows = mhc_fn.shape[0]
+    half = 8 * ceil_div(rows, 8)  # wgmma's N comes in multiples of 8
+    weighted = mhc_norm_weight is not None
+    splits, per_split = _mma_splits(tokens, features)
+    split_kernel = folded_fn_split_kernel(rows, half, weighted)
+    mma_kernel = norm_fn_mma_kernel(2 * half)
+    finish_kernel = norm_fn_finish_kernel(rows, half, backward)
+    if compiling_only():
+        return
+    device = residual.device
+    # Scratch, not outputs: every element is written before it is read.
+    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+    partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
+    partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    split_kernel(
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        folded,
+        features,
+        *mhc_fn.stride(),
+        mhc_norm_weight.stride(0) if weighted else 0,
+    )
+    mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
+    grad_strides = grad.stride() if backward else (0, 0)
+    finish_kernel(partial, partial_sq, flat_view(grad), out.view(-1), features, *grad_strides, eps)
+
+
 def _vector(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None) -> int:
     """GROUP when every group is one aligned load: C a multiple of GROUP and the residual, fn and γ
     rows allow it (unit innermost stride, aligned base and outer strides), else 1 (scalar loads)."""
@@ -435,7 +657,8 @@ def mhc_pre_norm_fn(
     residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None, mhc_norm_eps: float
 ) -> torch.Tensor:
     """RMS-normalised projection of the flattened streams: fp32 ``[T, m]``
-    ``(x @ (fn ⊙ γ)ᵀ) · rsqrt(Σx²/nC + eps)`` (fp32 FFMA, sums in any order within the oracle's bound)."""
+    ``(x @ (fn ⊙ γ)ᵀ) · rsqrt(Σx²/nC + eps)`` (tensor cores for a contiguous residual with 16-byte
+    rows, fp32 FFMA otherwise; sums in any order within the oracle's bound)."""
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     require_cuda("residual", residual)
@@ -448,6 +671,9 @@ def mhc_pre_norm_fn(
         return out
     if n * hidden == 0:
         return out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
+    if _tensor_cores(residual):
+        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, out, out, eps, backward=False)
+        return out
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     weighted = mhc_norm_weight is not None
     kernel = norm_fn_kernel(n, rows, vector, weighted, False)
@@ -501,28 +727,32 @@ def mhc_pre_norm_fn_bwd(
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     split_tokens = _split_tokens(tokens, hidden, n)
     splits = ceil_div(tokens, split_tokens)
-    stats = norm_fn_kernel(n, rows, vector, weighted, True)
+    tensor_cores = _tensor_cores(residual)
+    stats = None if tensor_cores else norm_fn_kernel(n, rows, vector, weighted, True)
     grad = norm_fn_grad_kernel(n, rows, vector, weighted)
     reduce = norm_fn_reduce_kernel(rows, weighted)
+    # Scratch, not outputs: every element is written before it is read.
+    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
+    if tensor_cores:
+        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, backward=True)
     if compiling_only():
         return d_residual, d_fn, d_weight
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    # Scratch, not outputs: every element is written before it is read.
-    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     partial = torch.empty((splits, rows, features), dtype=F32, device=device)
-    stats(
-        flat_view(residual),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        flat_view(grad_output),
-        coef.view(-1),
-        tokens,
-        hidden,
-        *strides,
-        *grad_output.stride(),
-        eps,
-    )
+    if stats is not None:
+        stats(
+            flat_view(residual),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            flat_view(grad_output),
+            coef.view(-1),
+            tokens,
+            hidden,
+            *strides,
+            *grad_output.stride(),
+            eps,
+        )
     grad(
         flat_view(residual),
         flat_view(mhc_fn),
