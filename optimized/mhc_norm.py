@@ -25,7 +25,13 @@ Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 fo
   L1. A warp butterfly (``shfl_xor``, fixed order) finishes the sums: no atomics, deterministic.
   The forward writes ``mixes = mul · rsqrt(Σx²/nC + eps)``; the backward's first pass instead writes
   per token ``dmul = g·r`` and ``2·dsq = −(Σ_j g_j mul_j)·r / (Σx² + eps·nC)``.
-- **Backward to x and fn** (``norm_fn_grad_kernel``): grid (channel blocks, streams, token splits). A
+- **Backward to x and fn on tensor cores** (same layouts): the statistics pass above also writes
+  dmul as bf16 ``[hi | lo | hi]`` columns, ``folded_fn_stack_kernel`` fn·γ as ``[hi; hi; lo]`` rows,
+  and ``norm_fn_grad_mma_kernel`` (grid: 128-feature blocks × token splits) takes per 64-token tile
+  ``dx = dsplit · stacked + 2·dsq·x`` (one wgmma: hi·hi + lo·hi + hi·lo) and accumulates
+  ``dfnᵀ += xᵀ · [dhi | dlo]`` (a second wgmma, x read transposed from the same shared tile); the
+  split partials go to ``norm_fn_reduce_kernel`` as below.
+- **Backward to x and fn, other layouts** (``norm_fn_grad_kernel``): grid (channel blocks, streams, token splits). A
   thread holds its ``m × GROUP`` slab of folded fn in registers and walks the tokens of its split:
   ``dx = fnᵀ·dmul + 2·dsq·x`` (fp32, stored contiguous) and accumulates ``dmul ⊗ x`` into an fp32
   partial of dfn, written per split. ``norm_fn_reduce_kernel`` adds the split partials in split
@@ -74,6 +80,12 @@ MMA_THREADS = 128  # the consumer warpgroup (TileLang adds the TMA producer)
 MMA_TARGET_CTAS = 256
 FINISH_THREADS = 128
 SPLIT_THREADS = 128
+# Backward to x and fn on tensor cores: CTAs of GRAD_MMA_FEATURES features walk token tiles of
+# MMA_TOKENS; dmul is split into bf16 [hi | lo | hi] columns (GRAD_MMA_SLOTS each: m rounded up to 16,
+# wgmma's K step), fn·γ into [hi; hi; lo] rows, so that one wgmma gives hi·hi + lo·hi + hi·lo.
+GRAD_MMA_FEATURES = 128
+GRAD_MMA_STAGES = 2
+GRAD_MMA_TARGET_CTAS = 512
 
 
 @T.macro
@@ -516,16 +528,19 @@ def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_S
 
 
 @jit()
-def norm_fn_finish_kernel(rows: int, half: int, backward: bool, threads: int = FINISH_THREADS):
+def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, threads: int = FINISH_THREADS):
     """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
     in order), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
-    ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]``."""
+    ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
+    ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``slots`` columns each, zero past
+    ``rows``) for ``norm_fn_grad_mma_kernel``."""
     columns = 2 * half
     width = rows + 1 if backward else rows
     tokens = T.dynamic("tokens")
     splits = T.dynamic("splits")
     grad_span = T.dynamic("grad_span")
     out_span = T.dynamic("out_span")
+    dsplit_span = T.dynamic("dsplit_span")
 
     @T.prim_func
     def kernel(
@@ -533,6 +548,7 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, threads: int = F
         partial_sq: T.Tensor((splits, tokens), "float32"),
         grad: T.Tensor((grad_span,), "float32"),
         out: T.Tensor((out_span,), "float32"),
+        dsplit: T.Tensor((dsplit_span,), "bfloat16"),
         features: T.int32,
         grad_token_stride: T.int32,
         grad_col_stride: T.int32,
@@ -566,11 +582,156 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, threads: int = F
                         dot[0] = dot[0] + g * (mul[j] + low[j])
                         out[base + j] = g * rstd
                     out[base + rows] = T.ieee_fdiv(-dot[0] * rstd, sq[0] + eps * count)
+                    if slots:
+                        split_base = T.cast(token, "int64") * (3 * slots)
+                        for j in T.unroll(slots):
+                            value = T.if_then_else(j < rows, out[base + T.min(j, rows - 1)], T.float32(0))
+                            dsplit[split_base + j] = T.cast(value, "bfloat16")
+                            dsplit[split_base + slots + j] = T.cast(
+                                value - T.cast(T.cast(value, "bfloat16"), "float32"), "bfloat16"
+                            )
+                            dsplit[split_base + 2 * slots + j] = T.cast(value, "bfloat16")
                 else:
                     for j in T.unroll(rows):
                         out[base + j] = (mul[j] + low[j]) * rstd
 
     return kernel
+
+
+@jit()
+def folded_fn_stack_kernel(rows: int, slots: int, weighted: bool, threads: int = SPLIT_THREADS):
+    """``stacked[r, k]`` bf16 ``[3·slots, padded]``: rows ``j``, ``slots + j`` hold ``hi = bf16(f)`` and
+    rows ``2·slots + j`` hold ``lo = bf16(f − hi)`` for ``f = fn[j, k]·γ[k]`` (``j < rows``); zero in
+    the padding rows and past the features."""
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    padded = T.dynamic("padded")
+
+    @T.prim_func
+    def kernel(
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        stacked: T.Tensor((3 * slots, padded), "bfloat16"),
+        features: T.int32,
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(padded, threads), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            value = T.alloc_local((1,), "float32")
+            k = block * threads + tx
+            if k < padded:
+                for j in T.unroll(slots):
+                    value[0] = T.float32(0)
+                    if j < rows:
+                        if k < features:
+                            value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
+                            if weighted:
+                                value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
+                    stacked[j, k] = T.cast(value[0], "bfloat16")
+                    stacked[slots + j, k] = T.cast(value[0], "bfloat16")
+                    stacked[2 * slots + j, k] = T.cast(
+                        value[0] - T.cast(T.cast(value[0], "bfloat16"), "float32"), "bfloat16"
+                    )
+
+    return kernel
+
+
+@jit(pass_configs=MMA_PASS_CONFIGS)
+def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES):
+    """Grid (feature blocks of GRAD_MMA_FEATURES, token splits); per token tile of the split:
+    ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
+    2·dsq) and, summed over the
+    split's tiles, ``partial[s, j, k] = Σ_t (dhi[t, j] + dlo[t, j])·x[t, k]`` (``dsplit``'s first
+    2·slots columns against xᵀ); tiles past the tokens or features read zeros (TMA)."""
+    width = 3 * slots
+    tokens = T.dynamic("tokens")
+    features = T.dynamic("features")
+    padded = T.dynamic("padded")
+    splits = T.dynamic("splits")
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((tokens, features), "bfloat16"),
+        stacked: T.Tensor((width, padded), "bfloat16"),
+        dsplit: T.Tensor((tokens, width), "bfloat16"),
+        coef: T.Tensor((tokens, rows + 1), "float32"),
+        dres: T.Tensor((tokens, features), "float32"),
+        partial: T.Tensor((splits, rows, features), "float32"),
+        split_tiles: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(features, GRAD_MMA_FEATURES), splits, threads=MMA_THREADS) as (block, split):
+            stacked_shared = T.alloc_shared((width, GRAD_MMA_FEATURES), "bfloat16")
+            x_shared = T.alloc_shared((MMA_TOKENS, GRAD_MMA_FEATURES), "bfloat16")
+            d_shared = T.alloc_shared((MMA_TOKENS, width), "bfloat16")
+            dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
+            dx = T.alloc_fragment((MMA_TOKENS, GRAD_MMA_FEATURES), "float32")
+            dfn = T.alloc_fragment((GRAD_MMA_FEATURES, 2 * slots), "float32")
+            dfn_shared = T.alloc_shared((GRAD_MMA_FEATURES, 2 * slots), "float32")
+            first = block * GRAD_MMA_FEATURES
+            T.copy(stacked[0, first], stacked_shared)
+            T.clear(dfn)
+            first_tile = split * split_tiles
+            tiles = T.min(split_tiles, T.ceildiv(tokens, MMA_TOKENS) - first_tile)
+            for step in T.Pipelined(tiles, num_stages=stages):
+                token = (first_tile + step) * MMA_TOKENS
+                T.copy(x[token, first], x_shared)
+                T.copy(dsplit[token, 0], d_shared)
+                T.copy(dsplit[token, 0], dfn_operand)
+                T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
+                T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
+                for i, k in T.Parallel(MMA_TOKENS, GRAD_MMA_FEATURES):
+                    dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
+                T.copy(dx, dres[token, first])
+            # hi and lo columns meet through shared memory (a fragment is read one way per loop).
+            T.copy(dfn, dfn_shared)
+            for j, k in T.Parallel(rows, GRAD_MMA_FEATURES):
+                if first + k < features:
+                    partial[split, j, first + k] = dfn_shared[k, j] + dfn_shared[k, slots + j]
+
+    return kernel
+
+
+def _grad_mma_splits(tokens: int, features: int) -> tuple[int, int]:
+    """(splits, token tiles per split) of the tensor-core backward: from the shape only."""
+    tiles = ceil_div(tokens, MMA_TOKENS)
+    wanted = max(1, min(tiles, ceil_div(GRAD_MMA_TARGET_CTAS, ceil_div(features, GRAD_MMA_FEATURES))))
+    per_split = ceil_div(tiles, wanted)
+    return ceil_div(tiles, per_split), per_split
+
+
+def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float):
+    """The backward's statistics (``coef``), ``d_residual`` and the per-split dfn partials
+    ``[splits, m, nC]`` (returned; None under ``compiling_only``) on tensor cores: five launches."""
+    tokens, n, hidden = residual.shape
+    features = n * hidden
+    rows = mhc_fn.shape[0]
+    slots = 16 * ceil_div(rows, 16)  # a wgmma K step holds 16 bf16
+    weighted = mhc_norm_weight is not None
+    splits, per_split = _grad_mma_splits(tokens, features)
+    stack_kernel = folded_fn_stack_kernel(rows, slots, weighted)
+    grad_kernel = norm_fn_grad_mma_kernel(slots, rows)
+    device = residual.device
+    dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
+    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit)
+    if compiling_only():
+        return None
+    padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES
+    stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
+    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    stack_kernel(
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        stacked,
+        features,
+        *mhc_fn.stride(),
+        mhc_norm_weight.stride(0) if weighted else 0,
+    )
+    x = residual.view(tokens, features)
+    grad_kernel(x, stacked, dsplit, coef, d_residual.view(tokens, features), partial, per_split)
+    return partial
 
 
 def _tensor_cores(residual: torch.Tensor) -> bool:
@@ -588,7 +749,9 @@ def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     return ceil_div(steps, per_split), per_split
 
 
-def _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool) -> None:
+def _norm_fn_statistics_mma(
+    residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None
+) -> None:
     """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``) by the
     tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue)."""
     tokens, n, hidden = residual.shape
@@ -599,7 +762,8 @@ def _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad, out, eps: f
     splits, per_split = _mma_splits(tokens, features)
     split_kernel = folded_fn_split_kernel(rows, half, weighted)
     mma_kernel = norm_fn_mma_kernel(2 * half)
-    finish_kernel = norm_fn_finish_kernel(rows, half, backward)
+    slots = 0 if dsplit is None else dsplit.shape[1] // 3
+    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots)
     if compiling_only():
         return
     device = residual.device
@@ -618,7 +782,8 @@ def _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad, out, eps: f
     )
     mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
     grad_strides = grad.stride() if backward else (0, 0)
-    finish_kernel(partial, partial_sq, flat_view(grad), out.view(-1), features, *grad_strides, eps)
+    split_argument = out.view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
+    finish_kernel(partial, partial_sq, flat_view(grad), out.view(-1), split_argument, features, *grad_strides, eps)
 
 
 def _vector(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None) -> int:
@@ -725,18 +890,64 @@ def mhc_pre_norm_fn_bwd(
     if tokens == 0:
         return d_residual, d_fn.zero_(), d_weight.zero_() if weighted else None
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
-    split_tokens = _split_tokens(tokens, hidden, n)
-    splits = ceil_div(tokens, split_tokens)
-    tensor_cores = _tensor_cores(residual)
-    stats = None if tensor_cores else norm_fn_kernel(n, rows, vector, weighted, True)
-    grad = norm_fn_grad_kernel(n, rows, vector, weighted)
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
     reduce = norm_fn_reduce_kernel(rows, weighted)
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
-    if tensor_cores:
-        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, backward=True)
+    if _tensor_cores(residual):
+        splits = _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps)
+        if splits is None:
+            return d_residual, d_fn, d_weight
+        partial = splits
+        splits = partial.shape[0]
+    else:
+        split_tokens = _split_tokens(tokens, hidden, n)
+        splits = ceil_div(tokens, split_tokens)
+        stats = norm_fn_kernel(n, rows, vector, weighted, True)
+        grad = norm_fn_grad_kernel(n, rows, vector, weighted)
+        if compiling_only():
+            return d_residual, d_fn, d_weight
+        partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+        stats(
+            flat_view(residual),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            flat_view(grad_output),
+            coef.view(-1),
+            tokens,
+            hidden,
+            *strides,
+            *grad_output.stride(),
+            eps,
+        )
+        grad(
+            flat_view(residual),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            coef.view(-1),
+            d_residual.view(-1),
+            partial.view(-1),
+            tokens,
+            hidden,
+            split_tokens,
+            splits,
+            *strides,
+        )
     if compiling_only():
         return d_residual, d_fn, d_weight
+    reduce(
+        partial.view(-1),
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        d_fn.view(-1),
+        (d_weight if weighted else d_fn).view(-1),
+        features,
+        splits,
+        *mhc_fn.stride(),
+        strides[-1],
+    )
+    return d_residual, d_fn, d_weight
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
     partial = torch.empty((splits, rows, features), dtype=F32, device=device)
