@@ -363,6 +363,8 @@ class PreNormFn(MhcOp):
     )
 
     def variants(self, p, index):
+        if p.pad:  # a strided residual takes the FFMA kernels (tensor cores read x by TMA): with and without γ
+            return [replace(p, weight=True), replace(p, weight=False)]
         return [replace(p, weight=index % 2 == 0)]
 
     def build(self, case, device, generator):
@@ -419,6 +421,8 @@ class PreNormFnBwd(MhcOp):
     )
 
     def variants(self, p, index):
+        if p.pad:  # as PreNormFn's
+            return [replace(p, weight=True), replace(p, weight=False)]
         return [replace(p, weight=index % 2 == 1)]
 
     def build(self, case, device, generator):
