@@ -24,12 +24,14 @@ Design:
   token reading its streams once) is not written yet.
 """
 
+from collections import OrderedDict
+
 import tilelang.language as T
 import torch
 
 from tileproof.reference.mhc import check_big_fuse_inputs, check_multilayer_inputs
 
-from .jit import compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, capturing, compiling_only, flat_view, jit, new_output, require_cuda
 from .mhc import (
     STREAM_ITEMS,
     STREAM_THREADS,
@@ -164,6 +166,105 @@ def apply_post_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: i
     return kernel
 
 
+# The fused replay reads each layer's tensors through a device table of their addresses (the lists'
+# tensors are separate allocations, and a kernel's parameter list is fixed): TABLE_WORDS int64 per
+# layer, in this order.
+TABLE_WORDS = 6
+PRE, LAYER_OUTPUT, POST, COMB, LAYER_INPUT, RESIDUAL = range(TABLE_WORDS)
+
+
+@jit()
+def replay_layers_kernel(
+    n: int, vector: int, layers: int, posts: int, items: int = STREAM_ITEMS, threads: int = STREAM_THREADS
+):
+    """Every replayed layer of ``mhc_multilayer_recompute`` in one pass over ``X_0``: per token and
+    block of ``threads·items`` channel vectors, the n streams stay in registers (bf16, as the unfused
+    path stores them) from one layer to the next; each layer reads its coefficients and ``y_l`` and
+    writes ``layer_input_l`` and ``X_{l+1}`` with ``apply_post_kernel``'s arithmetic (the same macros,
+    so the same bits). Every tensor is contiguous; ``table`` holds each layer's addresses
+    (``TABLE_WORDS`` per layer, ``PRE`` ... ``RESIDUAL``)."""
+    residual_span = T.dynamic("residual_span")
+
+    @T.prim_func
+    def kernel(
+        initial: T.Tensor((residual_span,), "bfloat16"),
+        table: T.Tensor((layers * TABLE_WORDS,), "int64"),
+        num_tokens: T.int32,
+        hidden_vectors: T.int32,
+    ):
+        with T.Kernel(num_tokens, T.ceildiv(hidden_vectors, threads * items), threads=threads) as (token, block):
+            tx = T.get_thread_binding()
+            raw = T.alloc_local((vector,), "bfloat16")
+            y = T.alloc_local((items * vector,), "bfloat16")
+            streams = T.alloc_local((n * items * vector,), "bfloat16")
+            next_streams = T.alloc_local((n * items * vector,), "bfloat16")
+            mixed = T.alloc_local((items * vector,), "float32")
+            pre = T.alloc_local((n,), "float32")
+            post = T.alloc_local((n,), "float32")
+            weights = T.alloc_local((n * n,), "float32")
+            t64 = T.cast(token, "int64")
+            row_vectors = T.cast(hidden_vectors, "int64")
+            tokens64 = T.cast(num_tokens, "int64")
+            for item in T.unroll(items):
+                column = (block * items + item) * threads + tx
+                load_streams(
+                    initial,
+                    streams,
+                    t64 * n * row_vectors,
+                    row_vectors,
+                    1,
+                    column,
+                    item,
+                    items,
+                    hidden_vectors,
+                    n,
+                    vector,
+                )
+            for layer in T.unroll(layers):
+                entry = layer * TABLE_WORDS
+                pre_mix = T.make_tensor_from_addr(table[entry + PRE], (tokens64 * n,), "float32")
+                layer_input = T.make_tensor_from_addr(
+                    table[entry + LAYER_INPUT], (tokens64 * row_vectors * vector,), "bfloat16"
+                )
+                for o in T.unroll(n):
+                    pre[o] = pre_mix[t64 * n + o]
+                for item in T.unroll(items):
+                    column = (block * items + item) * threads + tx
+                    pre_mix_item(mixed, streams, pre, item, items, n, vector)
+                    store_channels(layer_input, raw, mixed, t64 * row_vectors, column, item, hidden_vectors, vector)
+                if layer < posts:
+                    x = T.make_tensor_from_addr(
+                        table[entry + LAYER_OUTPUT], (tokens64 * row_vectors * vector,), "bfloat16"
+                    )
+                    post_mix = T.make_tensor_from_addr(table[entry + POST], (tokens64 * n,), "float32")
+                    comb = T.make_tensor_from_addr(table[entry + COMB], (tokens64 * n * n,), "float32")
+                    out = T.make_tensor_from_addr(
+                        table[entry + RESIDUAL], (tokens64 * n * row_vectors * vector,), "bfloat16"
+                    )
+                    for o in T.unroll(n):
+                        post[o] = post_mix[t64 * n + o]
+                        for i in T.unroll(n):
+                            weights[i * n + o] = comb[(t64 * n + i) * n + o]
+                    for item in T.unroll(items):
+                        column = (block * items + item) * threads + tx
+                        load_channels(x, y, t64 * row_vectors, column, 1, item, hidden_vectors, vector)
+                    for o in T.unroll(n):
+                        for item in T.unroll(items):
+                            column = (block * items + item) * threads + tx
+                            post_mix_item(mixed, streams, y, post, weights, o, item, items, n, vector)
+                            store_channels(
+                                out, raw, mixed, (t64 * n + o) * row_vectors, column, item, hidden_vectors, vector
+                            )
+                            for e in T.unroll(vector):
+                                next_streams[(o * items + item) * vector + e] = T.cast(
+                                    mixed[item * vector + e], "bfloat16"
+                                )
+                    for k in T.unroll(n * items * vector):
+                        streams[k] = next_streams[k]
+
+    return kernel
+
+
 def _writable(buffer: torch.Tensor) -> torch.Tensor:
     """The caller's buffer when its channels are contiguous (the kernels store rows), else a
     contiguous temporary that ``_write_back`` copies into it."""
@@ -263,6 +364,8 @@ def mhc_multilayer_recompute(
             buffer.zero_()
         return
 
+    if _replay_fused(initial_residual, pre_mixes, layer_outputs, post_mixes, comb_mixes, layer_inputs, residuals):
+        return
     stream = initial_residual  # X_l: the bf16 buffer the previous layer wrote, as the unfused path stores it
     for layer in range(num_layers):
         if layer < num_post:
@@ -280,6 +383,63 @@ def mhc_multilayer_recompute(
             stream = residuals[layer]
         else:
             _replay_layer(stream, pre_mixes[layer], None, None, None, layer_inputs[layer], None, n, hidden)
+
+
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+TABLES_KEPT = 256  # address tables kept per process (a training loop reuses a few buffer sets)
+
+
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The int64 device table of ``addresses``, made once per address tuple and kept: a pinned host
+    copy and an asynchronous upload (no synchronization on the launch path), and a table a CUDA graph
+    captured stays valid for its replays. Inside a capture a new table cannot be made (the upload would
+    be baked into the graph from host memory that later calls rewrite): it raises, as a cold kernel does."""
+    key = (device, addresses)
+    found = _TABLES.get(key)
+    if found is not None:
+        _TABLES.move_to_end(key)
+        return found[1]
+    if capturing():
+        raise RuntimeError(
+            "mhc_multilayer_recompute: first call with these buffers inside a CUDA-graph capture; its address "
+            "table is made outside a capture. Call it once with the same tensors before capturing."
+        )
+    host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+    table = host.to(device, non_blocking=True)
+    _TABLES[key] = (host, table)  # the host copy lives as long as the upload may read it
+    while len(_TABLES) > TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _replay_fused(initial_residual, pre_mixes, layer_outputs, post_mixes, comb_mixes, layer_inputs, residuals) -> bool:
+    """All layers in one kernel when every tensor is contiguous with 16-byte channel vectors (the layout
+    a model's buffers have); False (nothing launched) otherwise, for the layer-by-layer kernels."""
+    tokens, n, hidden = initial_residual.shape
+    per_layer = [*pre_mixes, *layer_outputs, *post_mixes, *comb_mixes, *layer_inputs, *residuals]
+    if not all(t.is_contiguous() for t in (initial_residual, *per_layer)):
+        return False
+    if _stream_vector(hidden, initial_residual, *layer_outputs, *layer_inputs, *residuals) != 8:
+        return False
+    num_layers, num_post = len(pre_mixes), len(layer_outputs)
+    kernel = replay_layers_kernel(n, 8, num_layers, num_post)
+    if compiling_only():
+        return True
+    addresses = []
+    for layer in range(num_layers):
+        posted = layer < num_post
+        row = [
+            address(pre_mixes[layer]),
+            address(layer_outputs[layer]) if posted else 0,
+            address(post_mixes[layer]) if posted else 0,
+            address(comb_mixes[layer]) if posted else 0,
+            address(layer_inputs[layer]),
+            address(residuals[layer]) if posted else 0,
+        ]
+        addresses += row
+    table = _address_table(tuple(addresses), initial_residual.device)
+    kernel(flat_view(initial_residual), table, tokens, hidden // 8)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1123,7 +1123,8 @@ class BigFuse(MhcOp):
 # by one" is a bitwise policy (a kernel that keeps X_{l+1} in fp32 between layers fails it).
 FRAGILE_MARGIN = 8 * U32
 # (L, P) of the cases, taken in turn along the stream shapes.
-RECOMPUTE_LAYERS = {"quick": ((2, 2), (1, 0), (4, 4), (3, 2), (2, 1)), "full": ((4, 4), (4, 3))}
+# quick covers every fused kernel configuration full needs ((4, 3) on a contiguous shape), as CI compiles quick.
+RECOMPUTE_LAYERS = {"quick": ((2, 2), (1, 0), (4, 4), (3, 2), (4, 3)), "full": ((4, 4), (4, 3))}
 WHY_RECOMPUTE = (
     "every element is an fp32 sum of ≤ n + 1 products rounded once to bf16, and the case's exact values lie more "
     "than 8·2^-24·Σ|terms| from a bf16 rounding boundary (redrawn where not), beyond any evaluation order's "
