@@ -24,14 +24,12 @@ Design:
   token reading its streams once) is not written yet.
 """
 
-from collections import OrderedDict
-
 import tilelang.language as T
 import torch
 
 from tileproof.reference.mhc import check_big_fuse_inputs, check_multilayer_inputs
 
-from .jit import address, capturing, compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
 from .mhc import (
     STREAM_ITEMS,
     STREAM_THREADS,
@@ -167,8 +165,8 @@ def apply_post_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: i
 
 
 # The fused replay reads each layer's tensors through a device table of their addresses (the lists'
-# tensors are separate allocations, and a kernel's parameter list is fixed): TABLE_WORDS int64 per
-# layer, in this order.
+# tensors are separate allocations, and a kernel's parameter list is fixed), written per call by
+# ``address_row_kernel``: TABLE_WORDS int64 per layer, in this order.
 TABLE_WORDS = 6
 PRE, LAYER_OUTPUT, POST, COMB, LAYER_INPUT, RESIDUAL = range(TABLE_WORDS)
 
@@ -385,31 +383,34 @@ def mhc_multilayer_recompute(
             _replay_layer(stream, pre_mixes[layer], None, None, None, layer_inputs[layer], None, n, hidden)
 
 
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-TABLES_KEPT = 256  # address tables kept per process (a training loop reuses a few buffer sets)
+@jit()
+def address_row_kernel():
+    """``table[first + w] = address_w`` for the ``TABLE_WORDS`` addresses of one layer: the table is
+    written on the stream, in order with the replay that reads it (and inside a CUDA graph's capture
+    too, where the addresses become the graph's kernel parameters)."""
+    words = T.dynamic("words")
 
+    @T.prim_func
+    def kernel(
+        table: T.Tensor((words,), "int64"),
+        first: T.int32,
+        pre: T.int64,
+        layer_output: T.int64,
+        post: T.int64,
+        comb: T.int64,
+        layer_input: T.int64,
+        residual: T.int64,
+    ):
+        with T.Kernel(1, threads=32) as (_,):
+            if T.get_thread_binding() == 0:
+                table[first + PRE] = pre
+                table[first + LAYER_OUTPUT] = layer_output
+                table[first + POST] = post
+                table[first + COMB] = comb
+                table[first + LAYER_INPUT] = layer_input
+                table[first + RESIDUAL] = residual
 
-def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The int64 device table of ``addresses``, made once per address tuple and kept: a pinned host
-    copy and an asynchronous upload (no synchronization on the launch path), and a table a CUDA graph
-    captured stays valid for its replays. Inside a capture a new table cannot be made (the upload would
-    be baked into the graph from host memory that later calls rewrite): it raises, as a cold kernel does."""
-    key = (device, addresses)
-    found = _TABLES.get(key)
-    if found is not None:
-        _TABLES.move_to_end(key)
-        return found[1]
-    if capturing():
-        raise RuntimeError(
-            "mhc_multilayer_recompute: first call with these buffers inside a CUDA-graph capture; its address "
-            "table is made outside a capture. Call it once with the same tensors before capturing."
-        )
-    host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-    table = host.to(device, non_blocking=True)
-    _TABLES[key] = (host, table)  # the host copy lives as long as the upload may read it
-    while len(_TABLES) > TABLES_KEPT:
-        _TABLES.popitem(last=False)
-    return table
+    return kernel
 
 
 def _replay_fused(initial_residual, pre_mixes, layer_outputs, post_mixes, comb_mixes, layer_inputs, residuals) -> bool:
@@ -423,21 +424,24 @@ def _replay_fused(initial_residual, pre_mixes, layer_outputs, post_mixes, comb_m
         return False
     num_layers, num_post = len(pre_mixes), len(layer_outputs)
     kernel = replay_layers_kernel(n, 8, num_layers, num_post)
+    writer = address_row_kernel()
     if compiling_only():
         return True
-    addresses = []
+    # Scratch, written on the stream before the replay reads it: a fresh table per call (no cache to
+    # keep in step with the caller's buffers, and nothing for a capture to bake from host memory).
+    table = torch.empty((num_layers * TABLE_WORDS,), dtype=torch.int64, device=initial_residual.device)
     for layer in range(num_layers):
         posted = layer < num_post
-        row = [
+        writer(
+            table,
+            layer * TABLE_WORDS,
             address(pre_mixes[layer]),
             address(layer_outputs[layer]) if posted else 0,
             address(post_mixes[layer]) if posted else 0,
             address(comb_mixes[layer]) if posted else 0,
             address(layer_inputs[layer]),
             address(residuals[layer]) if posted else 0,
-        ]
-        addresses += row
-    table = _address_table(tuple(addresses), initial_residual.device)
+        )
     kernel(flat_view(initial_residual), table, tokens, hidden // 8)
     return True
 
