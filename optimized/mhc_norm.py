@@ -896,10 +896,9 @@ def mhc_pre_norm_fn_bwd(
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     if _tensor_cores(residual):
-        splits = _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps)
-        if splits is None:
+        partial = _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps)
+        if partial is None:
             return d_residual, d_fn, d_weight
-        partial = splits
         splits = partial.shape[0]
     else:
         split_tokens = _split_tokens(tokens, hidden, n)
@@ -934,49 +933,6 @@ def mhc_pre_norm_fn_bwd(
             splits,
             *strides,
         )
-    if compiling_only():
-        return d_residual, d_fn, d_weight
-    reduce(
-        partial.view(-1),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        d_fn.view(-1),
-        (d_weight if weighted else d_fn).view(-1),
-        features,
-        splits,
-        *mhc_fn.stride(),
-        strides[-1],
-    )
-    return d_residual, d_fn, d_weight
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
-    if stats is not None:
-        stats(
-            flat_view(residual),
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            flat_view(grad_output),
-            coef.view(-1),
-            tokens,
-            hidden,
-            *strides,
-            *grad_output.stride(),
-            eps,
-        )
-    grad(
-        flat_view(residual),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        coef.view(-1),
-        d_residual.view(-1),
-        partial.view(-1),
-        tokens,
-        hidden,
-        split_tokens,
-        splits,
-        *strides,
-    )
     reduce(
         partial.view(-1),
         flat_view(mhc_fn),
