@@ -26,7 +26,7 @@ Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 fo
   The forward writes ``mixes = mul · rsqrt(Σx²/nC + eps)``; the backward's first pass instead writes
   per token ``dmul = g·r`` and ``2·dsq = −(Σ_j g_j mul_j)·r / (Σx² + eps·nC)``.
 - **Backward to x and fn on tensor cores** (same layouts): the statistics pass above also writes
-  dmul as bf16 ``[hi | lo | hi]`` columns, ``folded_fn_stack_kernel`` fn·γ as ``[hi; hi; lo]`` rows,
+  dmul as bf16 ``[hi | lo | hi]`` columns, ``folded_fn_split_kernel`` fn·γ as ``[hi; hi; lo]`` rows,
   and ``norm_fn_grad_mma_kernel`` (grid: 128-feature blocks × token splits) takes per 64-token tile
   ``dx = dsplit · stacked + 2·dsq·x`` (one wgmma: hi·hi + lo·hi + hi·lo) and accumulates
   ``dfnᵀ += xᵀ · [dhi | dlo]`` (a second wgmma, x read transposed from the same shared tile); the
@@ -436,20 +436,22 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
 
 
 @jit()
-def folded_fn_split_kernel(rows: int, half: int, weighted: bool, threads: int = SPLIT_THREADS):
-    """``folded[k, j] = bf16(f)`` and ``folded[k, half + j] = bf16(f − bf16(f))`` for ``f = fn[j, k]·γ[k]``
-    (fp32, the reference's one rounding; γ only when ``weighted``), ``j < rows``; zero in the padding
-    columns and in the rows past the features. ``f − bf16(f)`` is exact in fp32."""
-    columns = 2 * half
+def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool, threads: int = SPLIT_THREADS):
+    """``f = fn[j, k]·γ[k]`` (fp32, the reference's one rounding; γ only when ``weighted``) as two bf16
+    parts, ``hi = bf16(f)`` and ``lo = bf16(f − hi)`` (the difference is exact in fp32), for ``j < rows``;
+    zero for ``rows ≤ j < slots`` and past the features. Columns (the forward GEMM's B, ``[padded,
+    2·slots]``): ``out[k, j] = hi``, ``out[k, slots + j] = lo``. ``stacked`` (the backward dx GEMM's B,
+    ``[3·slots, padded]``): ``out[j, k] = out[slots + j, k] = hi``, ``out[2·slots + j, k] = lo``."""
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
     padded = T.dynamic("padded")
+    shape = (3 * slots, padded) if stacked else (padded, 2 * slots)
 
     @T.prim_func
     def kernel(
         fn: T.Tensor((fn_span,), "float32"),
         gamma: T.Tensor((gamma_span,), "float32"),
-        folded: T.Tensor((padded, columns), "bfloat16"),
+        out: T.Tensor(shape, "bfloat16"),
         features: T.int32,
         fn_row_stride: T.int32,
         fn_col_stride: T.int32,
@@ -460,15 +462,22 @@ def folded_fn_split_kernel(rows: int, half: int, weighted: bool, threads: int = 
             value = T.alloc_local((1,), "float32")
             k = block * threads + tx
             if k < padded:
-                for j in T.unroll(half):
+                for j in T.unroll(slots):
                     value[0] = T.float32(0)
                     if j < rows:
                         if k < features:
                             value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
                             if weighted:
                                 value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
-                    folded[k, j] = T.cast(value[0], "bfloat16")
-                    folded[k, half + j] = T.cast(value[0] - T.cast(T.cast(value[0], "bfloat16"), "float32"), "bfloat16")
+                    high = T.cast(value[0], "bfloat16")
+                    low = T.cast(value[0] - T.cast(high, "float32"), "bfloat16")
+                    if stacked:
+                        out[j, k] = high
+                        out[slots + j, k] = high
+                        out[2 * slots + j, k] = low
+                    else:
+                        out[k, j] = high
+                        out[k, slots + j] = low
 
     return kernel
 
@@ -598,46 +607,6 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
     return kernel
 
 
-@jit()
-def folded_fn_stack_kernel(rows: int, slots: int, weighted: bool, threads: int = SPLIT_THREADS):
-    """``stacked[r, k]`` bf16 ``[3·slots, padded]``: rows ``j``, ``slots + j`` hold ``hi = bf16(f)`` and
-    rows ``2·slots + j`` hold ``lo = bf16(f − hi)`` for ``f = fn[j, k]·γ[k]`` (``j < rows``); zero in
-    the padding rows and past the features."""
-    fn_span = T.dynamic("fn_span")
-    gamma_span = T.dynamic("gamma_span")
-    padded = T.dynamic("padded")
-
-    @T.prim_func
-    def kernel(
-        fn: T.Tensor((fn_span,), "float32"),
-        gamma: T.Tensor((gamma_span,), "float32"),
-        stacked: T.Tensor((3 * slots, padded), "bfloat16"),
-        features: T.int32,
-        fn_row_stride: T.int32,
-        fn_col_stride: T.int32,
-        gamma_stride: T.int32,
-    ):
-        with T.Kernel(T.ceildiv(padded, threads), threads=threads) as (block,):
-            tx = T.get_thread_binding()
-            value = T.alloc_local((1,), "float32")
-            k = block * threads + tx
-            if k < padded:
-                for j in T.unroll(slots):
-                    value[0] = T.float32(0)
-                    if j < rows:
-                        if k < features:
-                            value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
-                            if weighted:
-                                value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
-                    stacked[j, k] = T.cast(value[0], "bfloat16")
-                    stacked[slots + j, k] = T.cast(value[0], "bfloat16")
-                    stacked[2 * slots + j, k] = T.cast(
-                        value[0] - T.cast(T.cast(value[0], "bfloat16"), "float32"), "bfloat16"
-                    )
-
-    return kernel
-
-
 @jit(pass_configs=MMA_PASS_CONFIGS)
 def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES):
     """Grid (feature blocks of GRAD_MMA_FEATURES, token splits); per token tile of the split:
@@ -710,7 +679,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
     slots = 16 * ceil_div(rows, 16)  # a wgmma K step holds 16 bf16
     weighted = mhc_norm_weight is not None
     splits, per_split = _grad_mma_splits(tokens, features)
-    stack_kernel = folded_fn_stack_kernel(rows, slots, weighted)
+    stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows)
     device = residual.device
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
@@ -760,7 +729,7 @@ def _norm_fn_statistics_mma(
     half = 8 * ceil_div(rows, 8)  # wgmma's N comes in multiples of 8
     weighted = mhc_norm_weight is not None
     splits, per_split = _mma_splits(tokens, features)
-    split_kernel = folded_fn_split_kernel(rows, half, weighted)
+    split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
     mma_kernel = norm_fn_mma_kernel(2 * half)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots)
