@@ -435,10 +435,35 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
     return kernel
 
 
+# The smallest fp32 value that bf16's round-to-nearest-even takes to infinity: (2 − 2^-8)·2^127.
+BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
+SMALLEST_NORMAL = 2.0**-126
+
+
+def bf16_pair(value):
+    """``(high, low)``, two bf16 parts of an fp32 ``value`` whose sum carries it to ~2^-17: ``high =
+    bf16(value)`` (round to nearest even) and ``low = bf16(value − high)`` (the difference is exact).
+    Two exceptions keep the tensor-core products equal to the fp32 ones at the range's ends: a finite
+    value that rounds to infinity takes the largest bf16 of its sign as ``high`` (its top 16 bits:
+    truncation), so ``high + low`` stays finite; and a non-finite value gets ``low = 0`` (``inf − inf``
+    would be NaN), so an infinite dmul gives the fp32 product's infinity, not NaN."""
+    bits = T.reinterpret(value, "uint32")
+    truncated = T.cast(T.reinterpret(bits & T.uint32(0xFFFF0000), "float32"), "bfloat16")
+    high = T.if_then_else(T.abs(value) < T.float32(BF16_OVERFLOW), T.cast(value, "bfloat16"), truncated)
+    low = T.if_then_else(
+        T.abs(value) <= T.float32(FLOAT32_MAX),
+        T.cast(value - T.cast(high, "float32"), "bfloat16"),
+        T.bfloat16(0),
+    )
+    return high, low
+
+
 @jit()
 def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool, threads: int = SPLIT_THREADS):
     """``f = fn[j, k]·γ[k]`` (fp32, the reference's one rounding; γ only when ``weighted``) as two bf16
-    parts, ``hi = bf16(f)`` and ``lo = bf16(f − hi)`` (the difference is exact in fp32), for ``j < rows``;
+    parts by ``bf16_pair`` (``hi = bf16(f)``, ``lo = bf16(f − hi)``; a nonzero ``f`` whose ``lo`` is 0 gets
+    ±2^-126 of ``hi``'s sign instead, see below), for ``j < rows``;
     zero for ``rows ≤ j < slots`` and past the features. Columns (the forward GEMM's B, ``[padded,
     2·slots]``): ``out[k, j] = hi``, ``out[k, slots + j] = lo``. ``stacked`` (the backward dx GEMM's B,
     ``[3·slots, padded]``): ``out[j, k] = out[slots + j, k] = hi``, ``out[2·slots + j, k] = lo``."""
@@ -469,8 +494,17 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
                             value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
                             if weighted:
                                 value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
-                    high = T.cast(value[0], "bfloat16")
-                    low = T.cast(value[0] - T.cast(high, "float32"), "bfloat16")
+                    high, exact_low = bf16_pair(value[0])
+                    # An fn whose low part is 0 would make an infinite dmul's hi·lo product 0·inf = NaN
+                    # where fp32 has fn·inf = ±inf: the smallest normal of high's sign stands in (its
+                    # product with any finite dmul is below the sum's last bit).
+                    low = T.if_then_else(
+                        (exact_low == T.bfloat16(0)) & (high != T.bfloat16(0)),
+                        T.if_then_else(
+                            high > T.bfloat16(0), T.bfloat16(SMALLEST_NORMAL), T.bfloat16(-SMALLEST_NORMAL)
+                        ),
+                        exact_low,
+                    )
                     if stacked:
                         out[j, k] = high
                         out[slots + j, k] = high
@@ -595,11 +629,10 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
                         split_base = T.cast(token, "int64") * (3 * slots)
                         for j in T.unroll(slots):
                             value = T.if_then_else(j < rows, out[base + T.min(j, rows - 1)], T.float32(0))
-                            dsplit[split_base + j] = T.cast(value, "bfloat16")
-                            dsplit[split_base + slots + j] = T.cast(
-                                value - T.cast(T.cast(value, "bfloat16"), "float32"), "bfloat16"
-                            )
-                            dsplit[split_base + 2 * slots + j] = T.cast(value, "bfloat16")
+                            high, low = bf16_pair(value)
+                            dsplit[split_base + j] = high
+                            dsplit[split_base + slots + j] = low
+                            dsplit[split_base + 2 * slots + j] = high
                 else:
                     for j in T.unroll(rows):
                         out[base + j] = (mul[j] + low[j]) * rstd
@@ -751,7 +784,7 @@ def _norm_fn_statistics_mma(
     )
     mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
     grad_strides = grad.stride() if backward else (0, 0)
-    split_argument = out.view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
+    split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
     finish_kernel(partial, partial_sq, flat_view(grad), out.view(-1), split_argument, features, *grad_strides, eps)
 
 
