@@ -438,7 +438,6 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
 # The smallest fp32 value that bf16's round-to-nearest-even takes to infinity: (2 − 2^-8)·2^127.
 BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
 FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
-SMALLEST_NORMAL = 2.0**-126
 
 
 def bf16_pair(value):
@@ -447,7 +446,7 @@ def bf16_pair(value):
     Two exceptions keep the tensor-core products equal to the fp32 ones at the range's ends: a finite
     value that rounds to infinity takes the largest bf16 of its sign as ``high`` (its top 16 bits:
     truncation), so ``high + low`` stays finite; and a non-finite value gets ``low = 0`` (``inf − inf``
-    would be NaN), so an infinite dmul gives the fp32 product's infinity, not NaN."""
+    would be NaN)."""
     bits = T.reinterpret(value, "uint32")
     truncated = T.cast(T.reinterpret(bits & T.uint32(0xFFFF0000), "float32"), "bfloat16")
     high = T.if_then_else(T.abs(value) < T.float32(BF16_OVERFLOW), T.cast(value, "bfloat16"), truncated)
@@ -462,8 +461,7 @@ def bf16_pair(value):
 @jit()
 def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool, threads: int = SPLIT_THREADS):
     """``f = fn[j, k]·γ[k]`` (fp32, the reference's one rounding; γ only when ``weighted``) as two bf16
-    parts by ``bf16_pair`` (``hi = bf16(f)``, ``lo = bf16(f − hi)``; a nonzero ``f`` whose ``lo`` is 0 gets
-    ±2^-126 of ``hi``'s sign instead, see below), for ``j < rows``;
+    parts by ``bf16_pair`` (``hi = bf16(f)``, ``lo = bf16(f − hi)``), for ``j < rows``;
     zero for ``rows ≤ j < slots`` and past the features. Columns (the forward GEMM's B, ``[padded,
     2·slots]``): ``out[k, j] = hi``, ``out[k, slots + j] = lo``. ``stacked`` (the backward dx GEMM's B,
     ``[3·slots, padded]``): ``out[j, k] = out[slots + j, k] = hi``, ``out[2·slots + j, k] = lo``."""
@@ -494,17 +492,7 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
                             value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
                             if weighted:
                                 value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
-                    high, exact_low = bf16_pair(value[0])
-                    # An fn whose low part is 0 would make an infinite dmul's hi·lo product 0·inf = NaN
-                    # where fp32 has fn·inf = ±inf: the smallest normal of high's sign stands in (its
-                    # product with any finite dmul is below the sum's last bit).
-                    low = T.if_then_else(
-                        (exact_low == T.bfloat16(0)) & (high != T.bfloat16(0)),
-                        T.if_then_else(
-                            high > T.bfloat16(0), T.bfloat16(SMALLEST_NORMAL), T.bfloat16(-SMALLEST_NORMAL)
-                        ),
-                        exact_low,
-                    )
+                    high, low = bf16_pair(value[0])
                     if stacked:
                         out[j, k] = high
                         out[slots + j, k] = high
@@ -575,8 +563,8 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
     """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
     in order), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
     ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
-    ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``slots`` columns each, zero past
-    ``rows``) for ``norm_fn_grad_mma_kernel``."""
+    ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
+    zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``."""
     columns = 2 * half
     width = rows + 1 if backward else rows
     tokens = T.dynamic("tokens")
@@ -632,7 +620,12 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
                             high, low = bf16_pair(value)
                             dsplit[split_base + j] = high
                             dsplit[split_base + slots + j] = low
-                            dsplit[split_base + 2 * slots + j] = high
+                            # An infinite dmul meets fn's lo part, whose sign is not fn's: inf·lo could
+                            # be the opposite infinity of inf·hi (NaN where fp32 has fn·inf). Its
+                            # hi·hi product alone gives the fp32 answer.
+                            dsplit[split_base + 2 * slots + j] = T.if_then_else(
+                                T.abs(value) <= T.float32(FLOAT32_MAX), high, T.bfloat16(0)
+                            )
                 else:
                     for j in T.unroll(rows):
                         out[base + j] = (mul[j] + low[j]) * rstd
