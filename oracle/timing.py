@@ -348,21 +348,21 @@ def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile
     for name, get in callees:
         try:
             fn = get()
-            median, reps = timer.kernel_median_us(lambda fn=fn: call(fn))
+            median, reps = timer.kernel_median_us(lambda fn=fn: call.timed(fn))
             if name == "optimized":  # warm and sized by the kernel-time runs
-                timing.optimized_stream_us = timer.median_us(lambda fn=fn: call(fn), reps)[0]
+                timing.optimized_stream_us = timer.median_us(lambda fn=fn: call.timed(fn), reps)[0]
         except Exception as error:  # a baseline that fails is reported, not fatal
             timing.errors[name] = first_line(error)
             continue
         setattr(timing, f"{name}_us", median)
         timing.reps[name] = reps
         if name == "optimized":
-            timing.host_us = timer.host_us(lambda fn=fn: call(fn))
+            timing.host_us = timer.host_us(lambda fn=fn: call.timed(fn))
             timing.back_to_back_us, timing.back_to_back_kernel_us = timer.back_to_back_us(
-                lambda fn=fn: call(fn), median
+                lambda fn=fn: call.timed(fn), median
             )
             try:
-                timing.graph_us = timer.graph_replay_us(lambda fn=fn: call(fn), median)
+                timing.graph_us = timer.graph_replay_us(lambda fn=fn: call.timed(fn), median)
             except Exception as error:  # an operator that cannot be captured is reported, not fatal
                 timing.errors["graph"] = first_line(error)
     return timing
