@@ -48,6 +48,7 @@ from tileproof.reference.contract import ceil_div, check_nonnegative_float, chec
 from tileproof.reference.engram import (
     check_gate_bwd_inputs,
     check_gate_inputs,
+    check_grad_kv,
     check_hash_inputs,
     check_unit_last_stride,
 )
@@ -594,6 +595,7 @@ def gate_bwd_kernel(
     w_span = T.dynamic("w_span")
     stats_span = T.dynamic("stats_span")
     dx_span = T.dynamic("dx_span")
+    dk_span = T.dynamic("dk_span")
     dv_span = T.dynamic("dv_span")
     dw_span = T.dynamic("dw_span")
 
@@ -641,7 +643,7 @@ def gate_bwd_kernel(
         rstd_x: T.Tensor((stats_span,), "float32"),
         rstd_k: T.Tensor((stats_span,), "float32"),
         dx: T.Tensor((dx_span,), "bfloat16"),
-        dk: T.Tensor((dx_span,), "bfloat16"),
+        dk: T.Tensor((dk_span,), "bfloat16"),
         dv: T.Tensor((dv_span,), "bfloat16"),
         dw_partial: T.Tensor((dw_span,), "float32"),
         num_tokens: T.int32,
@@ -656,6 +658,8 @@ def gate_bwd_kernel(
         k_stream_stride: T.int32,
         v_token_stride: T.int32,
         w_stream_stride: T.int32,
+        dk_token_stride: T.int32,
+        dv_token_stride: T.int32,
         hidden: T.float32,
         scale: T.float32,
         clamp_value: T.float32,
@@ -767,6 +771,7 @@ def gate_bwd_kernel(
 
                 # dv needs no reduction: store it while the dg partials travel.
                 out_row = T.cast(token, "int64") * streams * hidden_vectors
+                dk_row = T.cast(token, "int64") * dk_token_stride
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
                     if column < hidden_vectors:
@@ -775,7 +780,7 @@ def gate_bwd_kernel(
                             for m in T.unroll(1, streams):
                                 dv_values[e] = dv_values[e] + gates[m] * _as_float(gos[i, m, e])
                         for e in T.vectorized(vector):
-                            dv[(T.cast(token, "int64") * hidden_vectors + column) * vector + e] = T.cast(
+                            dv[(T.cast(token, "int64") * dv_token_stride + column) * vector + e] = T.cast(
                                 dv_values[e], "bfloat16"
                             )
 
@@ -820,8 +825,9 @@ def gate_bwd_kernel(
                                     * (ws[e] * _as_float(ks[i, m, e]) - x_coefficients[m] * _as_float(xs[i, m, e])),
                                     "bfloat16",
                                 )
+                            dk_offset = (dk_row + m * hidden_vectors + column) * vector
                             for e in T.vectorized(vector):
-                                dk[dx_offset + e] = T.cast(
+                                dk[dk_offset + e] = T.cast(
                                     betas[m]
                                     * (ws[e] * _as_float(xs[i, m, e]) - k_coefficients[m] * _as_float(ks[i, m, e])),
                                     "bfloat16",
@@ -863,23 +869,34 @@ def engram_gate_bwd(
     clamp_value: float,
     *,
     num_partials: int = 1,
+    grad_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward of ``engram_gate_fwd``; same contract as
     ``tileproof.reference.engram.engram_gate_bwd`` (block ``p`` of ``dw_partial`` owns tokens
-    ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds."""
+    ``[p·c, (p+1)·c)``, ``c = ceil(T / P)``, for any P), within the oracle's bounds.
+
+    ``grad_kv`` (optional): the fused projection's gradient buffer, as in the reference; the kernel
+    writes dk and dv straight into it, so a caller whose k and v are views of one tensor gets that
+    tensor's gradient without autograd's zero fill and slice copies."""
     clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
     tokens, streams, hidden = x.shape
     require_cuda("x", x)
 
     device = x.device
     dx = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
-    dk = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
-    dv = new_output(torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
+    if grad_kv is None:
+        dk = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+        dv = new_output(torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
+    else:
+        check_grad_kv(grad_kv, tokens, streams, hidden)
+        require_cuda("grad_kv", grad_kv)
+        dk = grad_kv[:, : streams * hidden].unflatten(1, (streams, hidden))
+        dv = grad_kv[:, streams * hidden :]
     dw_partial = new_output(torch.empty((num_partials, streams, hidden), dtype=torch.float32, device=device))
     if dw_partial.numel() == 0:
         return dx, dk, dv, dw_partial
     # With no token every block is empty: the kernel still runs, to write the zeros.
-    vector = _vector_width(hidden, 8, (grad_out, x, k, v, w))
+    vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
     threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
     shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
     weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
@@ -918,6 +935,8 @@ def engram_gate_bwd(
         *_strides_in_vectors(k, vector),
         _strides_in_vectors(v, vector)[0],
         _strides_in_vectors(w, vector)[0],
+        _strides_in_vectors(dk, vector)[0],
+        _strides_in_vectors(dv, vector)[0],
         float(hidden),
         hidden**-0.5,
         clamp_value,

@@ -65,7 +65,6 @@ OPERATORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batched_transpose": ("transpose", ()),
     "engram_hash": ("engram", ()),
     "fused_weight": ("engram", ()),
-    "engram_gate_bwd": ("engram", ()),
     "grad_w_reduce": ("engram", ("grad_wh", "grad_we")),
     "expand_to_mhc": ("mhc", ()),
     "expand_to_mhc_bwd": ("mhc", ()),
@@ -475,6 +474,28 @@ def engram_gate_fwd(
     rstd_k)``, the four statistics fp32 ``[T, n]`` or ``[0]``."""
     out, *statistics = engram.engram_gate_fwd(x, k, v, w, eps, clamp_value, save_for_backward)
     return out, *(_absent(out) if statistic is None else statistic for statistic in statistics)
+
+
+@_adapter()
+def engram_gate_bwd(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w: torch.Tensor,
+    dot: torch.Tensor,
+    gate: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+    clamp_value: float,
+    *,
+    num_partials: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``engram.engram_gate_bwd`` without its ``grad_kv`` buffer (an operator's outputs may not alias
+    its inputs): dk and dv in tensors of their own."""
+    return engram.engram_gate_bwd(
+        grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials=num_partials
+    )
 
 
 @_adapter()

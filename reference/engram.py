@@ -79,6 +79,13 @@ def check_gate_inputs(x, k, v, w) -> tuple[int, int, int]:
     return tokens, streams, hidden
 
 
+def check_grad_kv(grad_kv, tokens: int, streams: int, hidden: int) -> None:
+    """``engram_gate_bwd``'s optional ``grad_kv`` buffer (both twins)."""
+    check_tensor("grad_kv", grad_kv, dtypes=(torch.bfloat16,), ndim=2)
+    check_shape("grad_kv", grad_kv, (tokens, (streams + 1) * hidden))
+    check_unit_last_stride("grad_kv", grad_kv)
+
+
 def check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials) -> float:
     """``engram_gate_bwd``'s arguments (both twins); returns ``clamp_value`` as a float."""
     tokens, streams, hidden = check_gate_inputs(x, k, v, w)
@@ -300,6 +307,7 @@ def engram_gate_bwd(
     clamp_value: float,
     *,
     num_partials: int = 1,
+    grad_kv: torch.Tensor | None = None,
 ):
     """Explicit backward of ``engram_gate_fwd`` from its saved statistics.
 
@@ -311,19 +319,31 @@ def engram_gate_bwd(
         num_partials: how many token blocks ``dw_partial`` is split into (keyword only; the kernels
             use one per persistent CTA). Block ``p`` owns tokens ``[p·c, (p+1)·c) ∩ [0, T)`` with
             ``c = ceil(T / P)``; empty blocks are zero.
+        grad_kv: optional bf16 ``[T, (n+1)·D]`` (unit stride along its last dimension; keyword only),
+            the gradient of a fused projection output whose first ``n·D`` columns are k and last
+            ``D`` are v (k and v its views): dk and dv are written into it and returned as its views.
 
     Returns:
         ``(dx, dk, dv, dw_partial)``: bf16 ``[T, n, D]``, bf16 ``[T, n, D]``, bf16 ``[T, D]`` (all
-        contiguous; fp32 math rounded once) and fp32 ``[P, n, D]`` partial sums of ``β·x⊙k``.
+        contiguous, or dk and dv the views ``grad_kv[:, :n·D]`` as ``[T, n, D]`` and ``grad_kv[:, n·D:]``;
+        fp32 math rounded once) and fp32 ``[P, n, D]`` partial sums of ``β·x⊙k``.
     """
     clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
+    if grad_kv is not None:
+        check_grad_kv(grad_kv, *x.shape)
 
     f32 = torch.float32
     dx, dk, dv, dw_partial = gate_backward_math(
         grad_out.to(f32), x.to(f32), k.to(f32), v.to(f32), w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials
     )
     bf16 = torch.bfloat16
-    return dx.to(bf16).contiguous(), dk.to(bf16).contiguous(), dv.to(bf16).contiguous(), dw_partial.contiguous()
+    if grad_kv is None:
+        return dx.to(bf16).contiguous(), dk.to(bf16).contiguous(), dv.to(bf16).contiguous(), dw_partial.contiguous()
+    streams, hidden = x.shape[1:]
+    grad_k, grad_v = grad_kv[:, : streams * hidden], grad_kv[:, streams * hidden :]
+    grad_k.copy_(rearrange(dk, "t m d -> t (m d)"))
+    grad_v.copy_(dv)
+    return dx.to(bf16).contiguous(), grad_k.unflatten(1, (streams, hidden)), grad_v, dw_partial.contiguous()
 
 
 def grad_w_reduce(

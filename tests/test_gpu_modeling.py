@@ -118,6 +118,29 @@ def test_engram_gate_leading_dimensions(generator):
         _bits_equal("grad", a.grad.reshape(b.grad.shape), b.grad)
 
 
+@pytest.mark.parametrize("tokens,hidden", [(1, 512), (37, 768), (300, 4096)])
+def test_engram_gate_fused_projection_gradient(generator, tokens, hidden):
+    """k and v as views of one projection output take the fused path (one gradient buffer written by
+    the kernel): bit for bit the gradients of separate k and v leaves, also when a view asks for its
+    own gradient (retain_grad keeps the views in the graph: the unfused path)."""
+    x, fused, wh, we, grad = _gate_inputs(generator, (tokens,), hidden)
+    out, leaves = _gate_run(x, fused, wh, we, grad)
+    separate = [t.detach().clone().requires_grad_(True) for t in (x, fused[:, : N * hidden], fused[:, N * hidden :])]
+    key = separate[1].unflatten(-1, (N, hidden))
+    out_separate = _optimized().engram_gate(separate[0], key, separate[2], wh, we, 1e-6, 1e-6)
+    out_separate.backward(grad)
+    _bits_equal("out", out, out_separate)
+    _bits_equal("dx", leaves[0].grad, separate[0].grad)
+    _bits_equal("dkv", leaves[1].grad, torch.cat([separate[1].grad, separate[2].grad], dim=1))
+
+    kv = fused.detach().clone().requires_grad_(True)
+    k, v = kv[:, : N * hidden].unflatten(-1, (N, hidden)), kv[:, N * hidden :]
+    k.retain_grad()
+    _optimized().engram_gate(x, k, v, wh, we, 1e-6, 1e-6).backward(grad)
+    _bits_equal("dk (retained)", k.grad.flatten(1), separate[1].grad)
+    _bits_equal("dkv (retained views)", kv.grad, leaves[1].grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # mHC
 # ---------------------------------------------------------------------------------------------
