@@ -80,6 +80,7 @@ MMA_THREADS = 128  # the consumer warpgroup (TileLang adds the TMA producer)
 MMA_TARGET_CTAS = 256
 FINISH_THREADS = 128
 SPLIT_THREADS = 128
+SPLIT_FEATURES = 64  # a divisor of MMA_DEPTH and GRAD_MMA_FEATURES (the padded feature counts)
 # Backward to x and fn on tensor cores: CTAs of GRAD_MMA_FEATURES features walk token tiles of
 # MMA_TOKENS; dmul is split into bf16 [hi | lo | hi] columns (GRAD_MMA_SLOTS each: m rounded up to 16,
 # wgmma's K step), fn·γ into [hi; hi; lo] rows, so that one wgmma gives hi·hi + lo·hi + hi·lo.
@@ -390,15 +391,22 @@ def norm_fn_grad_kernel(n: int, rows: int, vector: int, weighted: bool, threads:
 
 
 @jit()
-def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREADS):
-    """One thread per flattened column k: ``s_j = Σ_split partial[split, j, k]`` (split order);
+def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, threads: int = REDUCE_THREADS):
+    """One thread per flattened column k: ``s_j = Σ_split partial(split, j, k)`` (split order);
     ``dfn[j, k] = s_j·γ[k]`` and ``dγ[k] = Σ_j s_j·fn[j, k]`` (j in order) when ``weighted``, else
-    ``dfn[j, k] = s_j``."""
+    ``dfn[j, k] = s_j``. ``partial(split, j, k)`` is the element at ``split·split_stride +
+    j·row_stride + k·column_stride``; with ``hi_lo`` it is that element plus the one ``lo_offset``
+    further (the tensor-core backward's hi and lo columns, added before the splits are)."""
     partial_span = T.dynamic("partial_span")
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
     dfn_span = T.dynamic("dfn_span")
     dgamma_span = T.dynamic("dgamma_span")
+
+    def term(partial, split, j, k64, strides):
+        split_stride, row_stride, column_stride, lo_offset = strides
+        at = split * split_stride + T.cast(j * row_stride, "int64") + k64 * column_stride
+        return partial[at] + partial[at + lo_offset] if hi_lo else partial[at]
 
     @T.prim_func
     def kernel(
@@ -412,6 +420,10 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
         fn_row_stride: T.int32,
         fn_col_stride: T.int32,
         gamma_stride: T.int32,
+        split_stride: T.int64,
+        row_stride: T.int32,
+        column_stride: T.int32,
+        lo_offset: T.int32,
     ):
         with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
             tx = T.get_thread_binding()
@@ -421,9 +433,10 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
                 k64 = T.cast(column, "int64")
                 total[1] = T.float32(0)
                 for j in T.unroll(rows):
-                    total[0] = partial[T.cast(j, "int64") * features + k64]
+                    layout = (split_stride, row_stride, column_stride, lo_offset)
+                    total[0] = term(partial, T.int64(0), j, k64, layout)
                     for split in T.serial(1, splits):
-                        total[0] = total[0] + partial[(T.cast(split, "int64") * rows + j) * features + k64]
+                        total[0] = total[0] + term(partial, T.cast(split, "int64"), j, k64, layout)
                     if weighted:
                         dfn[T.cast(j, "int64") * features + k64] = total[0] * gamma[k64 * gamma_stride]
                         total[1] = total[1] + total[0] * fn[T.cast(j, "int64") * fn_row_stride + k64 * fn_col_stride]
@@ -464,11 +477,14 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
     parts by ``bf16_pair`` (``hi = bf16(f)``, ``lo = bf16(f − hi)``), for ``j < rows``;
     zero for ``rows ≤ j < slots`` and past the features. Columns (the forward GEMM's B, ``[padded,
     2·slots]``): ``out[k, j] = hi``, ``out[k, slots + j] = lo``. ``stacked`` (the backward dx GEMM's B,
-    ``[3·slots, padded]``): ``out[j, k] = out[slots + j, k] = hi``, ``out[2·slots + j, k] = lo``."""
+    ``[3·slots, padded]``): ``out[j, k] = out[slots + j, k] = hi``, ``out[2·slots + j, k] = lo``.
+    ``padded`` is a multiple of SPLIT_FEATURES: each CTA builds its features' block of ``out`` in
+    shared memory and stores it whole (coalesced; the columns layout's rows are 2·slots wide)."""
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
     padded = T.dynamic("padded")
     shape = (3 * slots, padded) if stacked else (padded, 2 * slots)
+    tile_shape = (3 * slots, SPLIT_FEATURES) if stacked else (SPLIT_FEATURES, 2 * slots)
 
     @T.prim_func
     def kernel(
@@ -480,26 +496,27 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
         fn_col_stride: T.int32,
         gamma_stride: T.int32,
     ):
-        with T.Kernel(T.ceildiv(padded, threads), threads=threads) as (block,):
-            tx = T.get_thread_binding()
-            value = T.alloc_local((1,), "float32")
-            k = block * threads + tx
-            if k < padded:
-                for j in T.unroll(slots):
-                    value[0] = T.float32(0)
-                    if j < rows:
-                        if k < features:
-                            value[0] = fn[T.cast(j, "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
-                            if weighted:
-                                value[0] = value[0] * gamma[T.cast(k, "int64") * gamma_stride]
-                    high, low = bf16_pair(value[0])
-                    if stacked:
-                        out[j, k] = high
-                        out[slots + j, k] = high
-                        out[2 * slots + j, k] = low
-                    else:
-                        out[k, j] = high
-                        out[k, slots + j] = low
+        with T.Kernel(T.ceildiv(padded, SPLIT_FEATURES), threads=threads) as (block,):
+            tile = T.alloc_shared(tile_shape, "bfloat16")
+            first = block * SPLIT_FEATURES
+            for j, column in T.Parallel(slots, SPLIT_FEATURES):
+                k = T.min(first + column, features - 1)
+                product = fn[T.cast(T.min(j, rows - 1), "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
+                if weighted:
+                    product = product * gamma[T.cast(k, "int64") * gamma_stride]
+                value = T.if_then_else((j < rows) & (first + column < features), product, T.float32(0))
+                high, low = bf16_pair(value)
+                if stacked:
+                    tile[j, column] = high
+                    tile[slots + j, column] = high
+                    tile[2 * slots + j, column] = low
+                else:
+                    tile[column, j] = high
+                    tile[column, slots + j] = low
+            if stacked:
+                T.copy(tile, out[0, first])
+            else:
+                T.copy(tile, out[first, 0])
 
     return kernel
 
@@ -637,9 +654,9 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
 def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES):
     """Grid (feature blocks of GRAD_MMA_FEATURES, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
-    2·dsq) and, summed over the
-    split's tiles, ``partial[s, j, k] = Σ_t (dhi[t, j] + dlo[t, j])·x[t, k]`` (``dsplit``'s first
-    2·slots columns against xᵀ); tiles past the tokens or features read zeros (TMA)."""
+    2·dsq) and, summed over the split's tiles, ``partial[s, k, c] = Σ_t dsplit[t, c]·x[t, k]`` for
+    the ``2·slots`` columns ``[hi | lo]`` (against xᵀ); tiles past the tokens or features read zeros
+    (TMA)."""
     width = 3 * slots
     tokens = T.dynamic("tokens")
     features = T.dynamic("features")
@@ -653,7 +670,7 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
         dsplit: T.Tensor((tokens, width), "bfloat16"),
         coef: T.Tensor((tokens, rows + 1), "float32"),
         dres: T.Tensor((tokens, features), "float32"),
-        partial: T.Tensor((splits, rows, features), "float32"),
+        partial: T.Tensor((splits, features, 2 * slots), "float32"),
         split_tiles: T.int32,
     ):
         with T.Kernel(T.ceildiv(features, GRAD_MMA_FEATURES), splits, threads=MMA_THREADS) as (block, split):
@@ -663,7 +680,6 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
             dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
             dx = T.alloc_fragment((MMA_TOKENS, GRAD_MMA_FEATURES), "float32")
             dfn = T.alloc_fragment((GRAD_MMA_FEATURES, 2 * slots), "float32")
-            dfn_shared = T.alloc_shared((GRAD_MMA_FEATURES, 2 * slots), "float32")
             first = block * GRAD_MMA_FEATURES
             T.copy(stacked[0, first], stacked_shared)
             T.clear(dfn)
@@ -679,11 +695,9 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
                 for i, k in T.Parallel(MMA_TOKENS, GRAD_MMA_FEATURES):
                     dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
                 T.copy(dx, dres[token, first])
-            # hi and lo columns meet through shared memory (a fragment is read one way per loop).
-            T.copy(dfn, dfn_shared)
-            for j, k in T.Parallel(rows, GRAD_MMA_FEATURES):
-                if first + k < features:
-                    partial[split, j, first + k] = dfn_shared[k, j] + dfn_shared[k, slots + j]
+            # Stored as accumulated, hi and lo columns apart (the reduction adds them): no fp32 tile
+            # in shared memory, whose 32 KB would keep a second CTA off the SM.
+            T.copy(dfn, partial[split, first, 0])
 
     return kernel
 
@@ -698,7 +712,8 @@ def _grad_mma_splits(tokens: int, features: int) -> tuple[int, int]:
 
 def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float):
     """The backward's statistics (``coef``), ``d_residual`` and the per-split dfn partials
-    ``[splits, m, nC]`` (returned; None under ``compiling_only``) on tensor cores: five launches."""
+    ``[splits, nC, 2·slots]`` (hi and lo columns apart; returned; None under ``compiling_only``) on
+    tensor cores: five launches."""
     tokens, n, hidden = residual.shape
     features = n * hidden
     rows = mhc_fn.shape[0]
@@ -714,7 +729,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
         return None
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES
     stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
-    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+    partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)
     gamma = mhc_norm_weight if weighted else mhc_fn
     stack_kernel(
         flat_view(mhc_fn),
@@ -887,14 +902,16 @@ def mhc_pre_norm_fn_bwd(
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    reduce = norm_fn_reduce_kernel(rows, weighted)
+    tensor_cores = _tensor_cores(residual)
+    reduce = norm_fn_reduce_kernel(rows, weighted, tensor_cores)
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
-    if _tensor_cores(residual):
+    if tensor_cores:
         partial = _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps)
         if partial is None:
             return d_residual, d_fn, d_weight
-        splits = partial.shape[0]
+        splits, _, columns = partial.shape
+        layout = (features * columns, 1, columns, columns // 2)  # partial[s, k, c], c = j (hi) or slots + j (lo)
     else:
         split_tokens = _split_tokens(tokens, hidden, n)
         splits = ceil_div(tokens, split_tokens)
@@ -928,6 +945,7 @@ def mhc_pre_norm_fn_bwd(
             splits,
             *strides,
         )
+        layout = (rows * features, features, 1, 0)  # partial[s, j, k]
     reduce(
         partial.view(-1),
         flat_view(mhc_fn),
@@ -938,5 +956,6 @@ def mhc_pre_norm_fn_bwd(
         splits,
         *mhc_fn.stride(),
         strides[-1],
+        *layout,
     )
     return d_residual, d_fn, d_weight
