@@ -304,6 +304,25 @@ def test_recompute_runs_on_fresh_buffers_and_is_bitwise(seed):
     assert statuses["residuals"] == FAIL and statuses["layer_inputs"] == PASS
 
 
+def test_recompute_timed_call_is_the_operator_alone(seed):
+    """The timing runs (``Call.timed``) write into one set of buffers kept for them: no per-run clones
+    or stacks (harness work the compared call needs, not the operator's time), and the build's
+    poisoned templates stay untouched for the compared runs."""
+    op, case, call, (layer_inputs, residuals) = _built("mhc_multilayer_recompute", 2, seed)
+    seen = []
+
+    def recording(*args):
+        seen.append([id(buffer) for buffers in args[-2:] for buffer in buffers])
+        op.reference()(*args)
+
+    assert call.timed(recording) is None and call.timed(recording) is None
+    assert seen[0] == seen[1]  # the same buffers on every timed run
+    timed_inputs, timed_residuals = call.context["timed_buffers"]
+    assert torch.equal(torch.stack(timed_inputs), layer_inputs) and torch.equal(torch.stack(timed_residuals), residuals)
+    templates = call.args[5:]
+    assert all(bool((t.view(torch.int16) == -1).all()) for buffers in templates for t in buffers)
+
+
 def test_recompute_self_checks_catch_a_damaged_output(seed):
     op, case, call, outputs = _built("mhc_multilayer_recompute", 3, seed)
     checks = {c.name: c.status for c in op.self_check(case, call, tuple(outputs))}
