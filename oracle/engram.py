@@ -19,7 +19,8 @@ Cases:
   ([TK]'s tests), plus one case per tier with clamp 0.3, where a good share of the pairs fall on the
   clamped branch; one case per tier without saved statistics (``save_for_backward=False``). The backward's
   ``num_partials`` is an H200's 132 SMs (114, an H100 PCIe's, for one case; small counts in
-  ``quick``, one with empty token blocks);
+  ``quick``, one with empty token blocks); the backward's ``kvgrad`` cases write dk and dv into one
+  fresh NaN-poisoned ``grad_kv`` buffer (``GradKvCall``), whose parts are compared;
 - *weights*: n × D gains 1 + 0.1·N(0, 1) in bf16 (``fused_weight`` uses 0.3, so that products need
   all 16 bits), one case's gains strided; ``grad_w_reduce`` with P ∈ {0, 1, 3, 114, 132}.
 
@@ -384,7 +385,9 @@ class FusedWeight(FloatEdges, FloatOp):
 class GateParams:
     tokens: int
     hidden: int  # D
-    layout: str = "fused"  # "fused": k and v are views of one [T, (n + 1)·D] buffer; "contiguous"
+    # "fused": k and v are views of one [T, (n + 1)·D] buffer; "kvgrad" (backward only): fused, and dk,
+    # dv written into one such buffer (``grad_kv``); "contiguous"
+    layout: str = "fused"
     num_partials: int = 1  # backward: token blocks of dw_partial
     save_for_backward: bool = True  # forward
     clamp_value: float = CLAMP
@@ -400,12 +403,15 @@ GATE_SHAPES = {
         (2, 4096, "contiguous", 2, True, CLAMP),
         (11, 512, "fused", 4, True, 0.3),
         (3, 7168, "fused", 2, True, CLAMP),  # the CTA shape of D > 4096
+        (19, 768, "kvgrad", 5, True, CLAMP),
     ],
     "full": [(t, d, "fused", 132, True, CLAMP) for d in GATE_HIDDENS for t in TOKENS]
     + [
         (4001, 7168, "contiguous", 114, True, CLAMP),
         (4001, 4096, "fused", 132, False, CLAMP),
         (4001, 4096, "fused", 132, True, 0.3),
+        (4001, 4096, "kvgrad", 132, True, CLAMP),
+        (8192, 7168, "kvgrad", 132, True, CLAMP),
     ],
 }
 GATE_BENCHMARK = GateParams(8192, 4096, "fused", 132, True)
@@ -418,8 +424,8 @@ class GateOp(FloatOp):
     def cases(self, tier):
         cases = []
         for t, d, layout, partials, save, clamp in GATE_SHAPES[tier]:
-            if self.backward and not save:
-                continue  # save_for_backward is a forward option
+            if (self.backward and not save) or (not self.backward and layout == "kvgrad"):
+                continue  # save_for_backward is a forward option, grad_kv a backward one
             p = GateParams(t, d, layout, partials if self.backward else 1, save, clamp)
             label = f"{self.name}/T{t}/n{N}/D{d}/{layout}" + (f"/P{partials}" if self.backward else "")
             label += ("" if save else "/nosave") + ("" if clamp == CLAMP else f"/clamp{clamp:g}")
@@ -446,7 +452,7 @@ class GateOp(FloatOp):
         if generator is None:
             x = torch.empty((T, N, D), dtype=BF16, device=device)
             w = torch.empty((N, D), dtype=F32, device=device)
-            if p.layout == "fused":
+            if p.layout != "contiguous":
                 kv = torch.empty((T, (N + 1) * D), dtype=BF16, device=device)
                 return x, kv[:, : N * D].view(T, N, D), kv[:, N * D :], w
             return (
@@ -464,7 +470,7 @@ class GateOp(FloatOp):
         _keep_s_off_singular_points(x, k, w, p.clamp_value, k_scale, generator)
         x = x.to(BF16).to(device)
         w = w.to(device)
-        if p.layout == "fused":
+        if p.layout != "contiguous":
             kv = torch.cat([rearrange(k, "t m d -> t (m d)"), v], dim=1).to(BF16).to(device)
             return x, kv[:, : N * D].view(T, N, D), kv[:, N * D :], w
         return x, k.to(BF16).to(device), v.to(BF16).to(device), w
@@ -621,7 +627,8 @@ class GateBwd(FloatEdges, GateOp):
         else:
             grad = normal(shape, generator).to(BF16).to(device)
             _, *stats = reference.engram_gate_fwd(x, k, v, w, EPS, p.clamp_value)  # the saved statistics
-        call = Call((grad, x, k, v, w, *stats, p.clamp_value), {"num_partials": p.num_partials})
+        call_type = GradKvCall if p.layout == "kvgrad" else Call
+        call = call_type((grad, x, k, v, w, *stats, p.clamp_value), {"num_partials": p.num_partials})
         return self.with_edge_values(case, call, generator)
 
     def expected_layout(self, case):
@@ -667,6 +674,36 @@ class GateBwd(FloatEdges, GateOp):
         ok = bool((empty == 0).all())
         metric = f"{empty.shape[0]} empty blocks"
         return [Check("blocks without tokens are zero", PASS if ok else FAIL, "exact", metric)]
+
+
+class GradKvCall(Call):
+    """``engram_gate_bwd(..., grad_kv=buffer)``: each run gets a fresh ``[T, (n + 1)·D]`` buffer whose
+    every byte is 0xFF (bf16 NaN, so an element a twin leaves unwritten fails), the twin's dk and dv
+    must be its views ``buffer[:, :n·D]`` and ``buffer[:, n·D:]`` (ValueError otherwise), and the
+    outputs compared are the buffer's two parts, read back contiguous."""
+
+    def __call__(self, fn):
+        return self._run(fn, _unwritten_kv(self.args[1].shape, self.args[1].device))
+
+    def timed(self, fn):
+        # One buffer for the timing runs: the compared runs above prove every element written.
+        if "timed_buffer" not in self.context:
+            self.context["timed_buffer"] = _unwritten_kv(self.args[1].shape, self.args[1].device)
+        return fn(*self.args, **self.kwargs, grad_kv=self.context["timed_buffer"])
+
+    def _run(self, fn, buffer):
+        tokens, streams, hidden = self.args[1].shape
+        dx, dk, dv, dw_partial = fn(*self.args, **self.kwargs, grad_kv=buffer)
+        k_part, v_part = buffer[:, : streams * hidden].unflatten(1, (streams, hidden)), buffer[:, streams * hidden :]
+        for name, out, part in (("dk", dk, k_part), ("dv", dv, v_part)):
+            if buffer.numel() and (out.data_ptr() != part.data_ptr() or out.stride() != part.stride()):
+                raise ValueError(f"{name} must be a view of grad_kv (its {name[1]} columns)")
+        return dx, k_part.contiguous(), v_part.contiguous(), dw_partial
+
+
+def _unwritten_kv(stream_shape, device) -> torch.Tensor:
+    tokens, streams, hidden = stream_shape
+    return torch.full((tokens, (streams + 1) * hidden), -1, dtype=torch.int16, device=device).view(BF16)
 
 
 # --- weight-gradient reduction ----------------------------------------------------------------

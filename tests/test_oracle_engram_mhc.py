@@ -248,6 +248,32 @@ def test_grad_w_reduce_runs_on_fresh_accumulators(seed):
     assert not torch.equal(first[0], before[0])
 
 
+def test_grad_kv_cases_need_dk_and_dv_written_into_the_buffer(seed):
+    """``engram_gate_bwd``'s kvgrad case: the reference writes dk and dv into the fresh poisoned buffer
+    and passes; a twin that ignores ``grad_kv`` (returns buffers of its own) errs, and one that leaves a
+    column of the buffer unwritten fails."""
+    op = registry.get_op("engram_gate_bwd")
+    case = next(c for c in registry.cases_of("engram_gate_bwd", "quick") if "/kvgrad" in c.label)
+    reference = op.reference()
+
+    def own_buffers(*args, grad_kv=None, **kwargs):
+        return reference(*args, **kwargs)
+
+    def one_column_unwritten(*args, grad_kv=None, **kwargs):
+        dx, dk, dv, dw = reference(*args, grad_kv=grad_kv, **kwargs)
+        grad_kv[:, -1] = torch.tensor(float("nan"), dtype=grad_kv.dtype)
+        return dx, dk, dv, dw
+
+    statuses = {}
+    for name, fn in (("reference", reference), ("own", own_buffers), ("unwritten", one_column_unwritten)):
+        twin = runner.backend_twin(name, types.SimpleNamespace(engram_gate_bwd=fn))
+        checks, _ = runner.check_case(case, seed, CPU, None, False, twin=twin, self_checks=False)
+        statuses[name] = {c.name: c.status for c in checks}
+    assert all(status in (PASS, SKIP) for status in statuses["reference"].values())
+    assert "error" in statuses["own"].values()
+    assert statuses["unwritten"]["dv"] == FAIL and statuses["unwritten"]["dk"] == PASS
+
+
 # ---------------------------------------------------------------------------------------------
 # mhc_pre_big_fuse and mhc_multilayer_recompute
 # ---------------------------------------------------------------------------------------------
