@@ -587,7 +587,9 @@ class GateBwd(FloatEdges, GateOp):
     # The saved statistics stay those of the clean inputs: a backward takes whatever it is given.
     edge_arguments = {"grad": (0, 1), "x": (1, 1), "k": (2, 1), "v": (3, 1)}
     edge_targets = ("grad", "x", "k", "v")
-    edge_base_count = 3
+    edge_base_count = 4
+    # The contiguous layout at D 4096 and the grad_kv buffer each in one base; the rest spread.
+    edge_base_preferences = ({"layout": "contiguous", "hidden": 4096}, {"layout": "kvgrad"})
     outputs = (
         Output(
             "dx",
