@@ -432,8 +432,8 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, thread
             if column < features:
                 k64 = T.cast(column, "int64")
                 total[1] = T.float32(0)
+                layout = (split_stride, row_stride, column_stride, lo_offset)
                 for j in T.unroll(rows):
-                    layout = (split_stride, row_stride, column_stride, lo_offset)
                     total[0] = term(partial, T.int64(0), j, k64, layout)
                     for split in T.serial(1, splits):
                         total[0] = total[0] + term(partial, T.cast(split, "int64"), j, k64, layout)
@@ -634,14 +634,15 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
                         split_base = T.cast(token, "int64") * (3 * slots)
                         for j in T.unroll(slots):
                             value = T.if_then_else(j < rows, out[base + T.min(j, rows - 1)], T.float32(0))
-                            high, low = bf16_pair(value)
-                            dsplit[split_base + j] = high
-                            dsplit[split_base + slots + j] = low
+                            # (Not ``low``: that name is the lo-part sums above.)
+                            dmul_high, dmul_low = bf16_pair(value)
+                            dsplit[split_base + j] = dmul_high
+                            dsplit[split_base + slots + j] = dmul_low
                             # An infinite dmul meets fn's lo part, whose sign is not fn's: inf·lo could
                             # be the opposite infinity of inf·hi (NaN where fp32 has fn·inf). Its
                             # hi·hi product alone gives the fp32 answer.
                             dsplit[split_base + 2 * slots + j] = T.if_then_else(
-                                T.abs(value) <= T.float32(FLOAT32_MAX), high, T.bfloat16(0)
+                                T.abs(value) <= T.float32(FLOAT32_MAX), dmul_high, T.bfloat16(0)
                             )
                 else:
                     for j in T.unroll(rows):

@@ -62,6 +62,7 @@ from .floatops import (
     normwise_check,
     place,
     random_sum_bound,
+    unwritten_bf16,
 )
 from .policy import FAIL, PASS, SKIP, Bitwise, Check, RelativeError, compare
 from .registry import FLOAT_EDGE_KINDS, Call, Case, Output, register
@@ -685,15 +686,7 @@ class GradKvCall(Call):
     outputs compared are the buffer's two parts, read back contiguous."""
 
     def __call__(self, fn):
-        return self._run(fn, _unwritten_kv(self.args[1].shape, self.args[1].device))
-
-    def timed(self, fn):
-        # One buffer for the timing runs: the compared runs above prove every element written.
-        if "timed_buffer" not in self.context:
-            self.context["timed_buffer"] = _unwritten_kv(self.args[1].shape, self.args[1].device)
-        return fn(*self.args, **self.kwargs, grad_kv=self.context["timed_buffer"])
-
-    def _run(self, fn, buffer):
+        buffer = self._buffer()
         tokens, streams, hidden = self.args[1].shape
         dx, dk, dv, dw_partial = fn(*self.args, **self.kwargs, grad_kv=buffer)
         k_part, v_part = buffer[:, : streams * hidden].unflatten(1, (streams, hidden)), buffer[:, streams * hidden :]
@@ -702,10 +695,15 @@ class GradKvCall(Call):
                 raise ValueError(f"{name} must be a view of grad_kv (its {name[1]} columns)")
         return dx, k_part.contiguous(), v_part.contiguous(), dw_partial
 
+    def timed(self, fn):
+        # One buffer for the timing runs: the compared runs above prove every element written.
+        if "timed_buffer" not in self.context:
+            self.context["timed_buffer"] = self._buffer()
+        return fn(*self.args, **self.kwargs, grad_kv=self.context["timed_buffer"])
 
-def _unwritten_kv(stream_shape, device) -> torch.Tensor:
-    tokens, streams, hidden = stream_shape
-    return torch.full((tokens, (streams + 1) * hidden), -1, dtype=torch.int16, device=device).view(BF16)
+    def _buffer(self) -> torch.Tensor:
+        tokens, streams, hidden = self.args[1].shape
+        return unwritten_bf16((tokens, (streams + 1) * hidden), self.args[1].device)
 
 
 # --- weight-gradient reduction ----------------------------------------------------------------

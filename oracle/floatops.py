@@ -89,6 +89,12 @@ def optimized_twin(family: str, name: str) -> Callable | None:
 # --- inputs -----------------------------------------------------------------------------------
 
 
+def unwritten_bf16(shape: Sequence[int], device) -> torch.Tensor:
+    """A bf16 buffer of ``shape`` whose every byte is 0xFF (NaN): an output buffer handed to an operator
+    that writes in place, so that an element it leaves unwritten fails the comparison."""
+    return torch.full(tuple(shape), -1, dtype=torch.int16, device=device).view(torch.bfloat16)
+
+
 def normal(shape: Sequence[int], generator: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """fp32 N(0, scale²) values on the CPU (round them to the storage dtype with ``.to``)."""
     return torch.randn(tuple(shape), generator=generator) * scale

@@ -60,6 +60,7 @@ from .floatops import (
     place,
     random_sum_bound,
     uniform,
+    unwritten_bf16,
 )
 from .policy import FAIL, PASS, Bitwise, Check, RelativeError, compare
 from .registry import Call, Case, Output, register
@@ -1250,11 +1251,6 @@ class RecomputeCall(Call):
         fn(*inputs, *self.context["timed_buffers"], **self.kwargs)
 
 
-def _unwritten(shape, device) -> torch.Tensor:
-    """A bf16 buffer of ``shape`` whose every byte is 0xFF (NaN)."""
-    return torch.full(shape, -1, dtype=torch.int16, device=device).view(BF16)
-
-
 class MultilayerRecompute(MhcOp):
     # NaN and ±Inf in the first residual only: they propagate through every layer without rounding
     # anything, so the outputs stay bitwise; a finite edge value would move the exact values onto
@@ -1294,8 +1290,8 @@ class MultilayerRecompute(MhcOp):
             _avoid_rounding_boundaries(x0, pres, ys, posts, combs, generator)
         x0 = place(x0, stream_shape, BF16, device, p.pad)
         ys = [place(y, shape, BF16, device, p.pad) for y in ys]
-        layer_inputs = [_unwritten(shape, device) for _ in range(p.layers)]
-        residuals = [_unwritten(stream_shape, device) for _ in range(p.posts)]
+        layer_inputs = [unwritten_bf16(shape, device) for _ in range(p.layers)]
+        residuals = [unwritten_bf16(stream_shape, device) for _ in range(p.posts)]
         # Edge values after the inputs were drawn away from rounding boundaries: NaN and ±Inf only,
         # which propagate through every layer without rounding anything (see edge_kinds).
         call = RecomputeCall((x0, pres, ys, posts, combs, layer_inputs, residuals))

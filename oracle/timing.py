@@ -26,6 +26,7 @@ bytes it must write); the roof is the measured device-to-device copy bandwidth o
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -225,11 +226,7 @@ class Timer:
         slower than the kernels the stream waits for it, and the wait is in the first number.
         ``kernel_us`` (one call's kernel time) sizes the loop."""
         calls = _back_to_back_calls(kernel_us)
-
-        def loop():
-            for _ in range(calls):
-                fn()
-
+        loop = _repeated(fn, calls)
         fn()
         kernel = sum(end - start for start, end, _ in gpu_activities(loop)) / calls
         return _stream_us_per_call(loop, calls), kernel
@@ -237,13 +234,8 @@ class Timer:
     def graph_replay_us(self, fn: Callable[[], object], kernel_us: float) -> float:
         """Per call, the stream time of one call of ``fn`` captured in a CUDA graph and the graph
         replayed back to back (as ``back_to_back_us``); ``fn`` must already be warm."""
-        replay = self._capture(fn)
         calls = _back_to_back_calls(kernel_us)
-
-        def loop():
-            for _ in range(calls):
-                replay()
-
+        loop = _repeated(self._capture(fn), calls)
         loop()
         return _stream_us_per_call(loop, calls)
 
@@ -253,6 +245,16 @@ class Timer:
         with torch.cuda.graph(graph):
             fn()
         return graph.replay
+
+
+def _repeated(fn: Callable[[], object], calls: int) -> Callable[[], None]:
+    """``fn`` called ``calls`` times in a row, as one callable."""
+
+    def loop():
+        for _ in range(calls):
+            fn()
+
+    return loop
 
 
 def _back_to_back_calls(kernel_us: float) -> int:
@@ -347,22 +349,20 @@ def time_case(op: OpSpec, case: Case, call: Call, timer: Timer, *, torch_compile
         timing.errors["compiled"] = "skipped (--no-torch-compile)"
     for name, get in callees:
         try:
-            fn = get()
-            median, reps = timer.kernel_median_us(lambda fn=fn: call.timed(fn))
+            run = functools.partial(call.timed, get())
+            median, reps = timer.kernel_median_us(run)
             if name == "optimized":  # warm and sized by the kernel-time runs
-                timing.optimized_stream_us = timer.median_us(lambda fn=fn: call.timed(fn), reps)[0]
+                timing.optimized_stream_us = timer.median_us(run, reps)[0]
         except Exception as error:  # a baseline that fails is reported, not fatal
             timing.errors[name] = first_line(error)
             continue
         setattr(timing, f"{name}_us", median)
         timing.reps[name] = reps
         if name == "optimized":
-            timing.host_us = timer.host_us(lambda fn=fn: call.timed(fn))
-            timing.back_to_back_us, timing.back_to_back_kernel_us = timer.back_to_back_us(
-                lambda fn=fn: call.timed(fn), median
-            )
+            timing.host_us = timer.host_us(run)
+            timing.back_to_back_us, timing.back_to_back_kernel_us = timer.back_to_back_us(run, median)
             try:
-                timing.graph_us = timer.graph_replay_us(lambda fn=fn: call.timed(fn), median)
+                timing.graph_us = timer.graph_replay_us(run, median)
             except Exception as error:  # an operator that cannot be captured is reported, not fatal
                 timing.errors["graph"] = first_line(error)
     return timing
