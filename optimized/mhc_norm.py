@@ -448,6 +448,65 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, thread
     return kernel
 
 
+@jit()
+def norm_fn_reduce_columns_kernel(rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS):
+    """``norm_fn_reduce_kernel`` for the tensor-core layout ``partial[split, k, c]`` (``c = j`` hi,
+    ``slots + j`` lo), the same sums in the same order: ``s_j = Σ_split (hi + lo)``. Each split's
+    block of ``threads`` rows (``2·slots`` floats each) comes into shared memory whole (coalesced) with
+    a padded row, then thread k reads its row without bank conflicts."""
+    columns = 2 * slots
+    fn_span = T.dynamic("fn_span")
+    gamma_span = T.dynamic("gamma_span")
+    dfn_span = T.dynamic("dfn_span")
+    dgamma_span = T.dynamic("dgamma_span")
+    splits = T.dynamic("splits")
+    features = T.dynamic("features")
+
+    @T.macro
+    def load_split(partial, tile, split, first):
+        for i, c in T.Parallel(threads, columns):
+            tile[i, c] = partial[split, T.min(first + i, features - 1), c]
+
+    @T.prim_func
+    def kernel(
+        partial: T.Tensor((splits, features, columns), "float32"),
+        fn: T.Tensor((fn_span,), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        dfn: T.Tensor((dfn_span,), "float32"),
+        dgamma: T.Tensor((dgamma_span,), "float32"),
+        fn_row_stride: T.int32,
+        fn_col_stride: T.int32,
+        gamma_stride: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            tile = T.alloc_shared((threads, columns + 1), "float32")
+            sums = T.alloc_local((rows,), "float32")
+            total = T.alloc_local((1,), "float32")
+            first = block * threads
+            load_split(partial, tile, 0, first)
+            for j in T.unroll(rows):
+                sums[j] = tile[tx, j] + tile[tx, slots + j]
+            for split in T.serial(1, splits):
+                load_split(partial, tile, split, first)
+                for j in T.unroll(rows):
+                    sums[j] = sums[j] + (tile[tx, j] + tile[tx, slots + j])
+            column = first + tx
+            if column < features:
+                k64 = T.cast(column, "int64")
+                total[0] = T.float32(0)
+                for j in T.unroll(rows):
+                    if weighted:
+                        dfn[T.cast(j, "int64") * features + k64] = sums[j] * gamma[k64 * gamma_stride]
+                        total[0] = total[0] + sums[j] * fn[T.cast(j, "int64") * fn_row_stride + k64 * fn_col_stride]
+                    else:
+                        dfn[T.cast(j, "int64") * features + k64] = sums[j]
+                if weighted:
+                    dgamma[k64] = total[0]
+
+    return kernel
+
+
 # The smallest fp32 value that bf16's round-to-nearest-even takes to infinity: (2 − 2^-8)·2^127.
 BF16_OVERFLOW = (2 - 2.0**-8) * 2.0**127
 FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
@@ -652,13 +711,26 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
 
 
 @jit(pass_configs=MMA_PASS_CONFIGS)
-def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES):
-    """Grid (feature blocks of GRAD_MMA_FEATURES, token splits); per token tile of the split:
+def norm_fn_grad_mma_kernel(
+    slots: int,
+    rows: int,
+    stages: int = GRAD_MMA_STAGES,
+    block_features: int = GRAD_MMA_FEATURES,
+    min_blocks: int = 1,
+    staged_store: bool = False,
+):
+    """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
     2·dsq) and, summed over the split's tiles, ``partial[s, k, c] = Σ_t dsplit[t, c]·x[t, k]`` for
     the ``2·slots`` columns ``[hi | lo]`` (against xᵀ); tiles past the tokens or features read zeros
-    (TMA)."""
+    (TMA).
+
+    ``min_blocks`` > 1 asks for that many CTAs per SM (``__launch_bounds__``) and splits the
+    registers to fit: the consumer warpgroup gets ``65536 / min_blocks / 128 − 24`` (multiple of 8,
+    at most 240), the TMA producer 24. ``staged_store``: dx goes through a shared fp32 tile and
+    leaves by one bulk copy instead of each thread's stores from the accumulator."""
     width = 3 * slots
+    consumer_registers = min(240, (65536 // min_blocks // MMA_THREADS - 24) // 8 * 8)
     tokens = T.dynamic("tokens")
     features = T.dynamic("features")
     padded = T.dynamic("padded")
@@ -674,14 +746,20 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
         partial: T.Tensor((splits, features, 2 * slots), "float32"),
         split_tiles: T.int32,
     ):
-        with T.Kernel(T.ceildiv(features, GRAD_MMA_FEATURES), splits, threads=MMA_THREADS) as (block, split):
-            stacked_shared = T.alloc_shared((width, GRAD_MMA_FEATURES), "bfloat16")
-            x_shared = T.alloc_shared((MMA_TOKENS, GRAD_MMA_FEATURES), "bfloat16")
+        with T.Kernel(T.ceildiv(features, block_features), splits, threads=MMA_THREADS) as (block, split):
+            stacked_shared = T.alloc_shared((width, block_features), "bfloat16")
+            x_shared = T.alloc_shared((MMA_TOKENS, block_features), "bfloat16")
             d_shared = T.alloc_shared((MMA_TOKENS, width), "bfloat16")
             dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
-            dx = T.alloc_fragment((MMA_TOKENS, GRAD_MMA_FEATURES), "float32")
-            dfn = T.alloc_fragment((GRAD_MMA_FEATURES, 2 * slots), "float32")
-            first = block * GRAD_MMA_FEATURES
+            dx = T.alloc_fragment((MMA_TOKENS, block_features), "float32")
+            dfn = T.alloc_fragment((block_features, 2 * slots), "float32")
+            if staged_store:
+                dx_shared = T.alloc_shared((MMA_TOKENS, block_features), "float32")
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(consumer_registers)
+            first = block * block_features
             T.copy(stacked[0, first], stacked_shared)
             T.clear(dfn)
             first_tile = split * split_tiles
@@ -693,9 +771,13 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
                 T.copy(dsplit[token, 0], dfn_operand)
                 T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
                 T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
-                for i, k in T.Parallel(MMA_TOKENS, GRAD_MMA_FEATURES):
+                for i, k in T.Parallel(MMA_TOKENS, block_features):
                     dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
-                T.copy(dx, dres[token, first])
+                if staged_store:
+                    T.copy(dx, dx_shared)
+                    T.copy(dx_shared, dres[token, first])
+                else:
+                    T.copy(dx, dres[token, first])
             # Stored as accumulated, hi and lo columns apart (the reduction adds them): no fp32 tile
             # in shared memory, whose 32 KB would keep a second CTA off the SM.
             T.copy(dfn, partial[split, first, 0])
@@ -703,10 +785,23 @@ def norm_fn_grad_mma_kernel(slots: int, rows: int, stages: int = GRAD_MMA_STAGES
     return kernel
 
 
-def _grad_mma_splits(tokens: int, features: int) -> tuple[int, int]:
+# The tensor-core path's schedule, read at each call (the committed values; a sweep changes them):
+# norm_fn_grad_mma_kernel's knobs, the per-token epilogue's CTA size, and the dfn reduction's form.
+GRAD_MMA_SCHEDULE = {
+    "stages": GRAD_MMA_STAGES,
+    "block_features": GRAD_MMA_FEATURES,
+    "min_blocks": 1,
+    "staged_store": False,
+}
+FINISH_SCHEDULE = {"threads": FINISH_THREADS}
+REDUCE_SCHEDULE = {"tiled": False}
+
+
+def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TARGET_CTAS) -> tuple[int, int]:
     """(splits, token tiles per split) of the tensor-core backward: from the shape only."""
     tiles = ceil_div(tokens, MMA_TOKENS)
-    wanted = max(1, min(tiles, ceil_div(GRAD_MMA_TARGET_CTAS, ceil_div(features, GRAD_MMA_FEATURES))))
+    block_features = GRAD_MMA_SCHEDULE["block_features"]
+    wanted = max(1, min(tiles, ceil_div(target_ctas, ceil_div(features, block_features))))
     per_split = ceil_div(tiles, wanted)
     return ceil_div(tiles, per_split), per_split
 
@@ -720,15 +815,16 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
     rows = mhc_fn.shape[0]
     slots = 16 * ceil_div(rows, 16)  # a wgmma K step holds 16 bf16
     weighted = mhc_norm_weight is not None
-    splits, per_split = _grad_mma_splits(tokens, features)
+    schedule = dict(GRAD_MMA_SCHEDULE)
+    splits, per_split = _grad_mma_splits(tokens, features, GRAD_MMA_TARGET_CTAS * schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
-    grad_kernel = norm_fn_grad_mma_kernel(slots, rows)
+    grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule)
     device = residual.device
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
     _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit)
     if compiling_only():
         return None
-    padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES
+    padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
     stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
     partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)
     gamma = mhc_norm_weight if weighted else mhc_fn
@@ -774,7 +870,7 @@ def _norm_fn_statistics_mma(
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
     mma_kernel = norm_fn_mma_kernel(2 * half)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots)
+    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"])
     if compiling_only():
         return
     device = residual.device
@@ -904,7 +1000,11 @@ def mhc_pre_norm_fn_bwd(
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
     tensor_cores = _tensor_cores(residual)
-    reduce = norm_fn_reduce_kernel(rows, weighted, tensor_cores)
+    tiled_reduce = tensor_cores and REDUCE_SCHEDULE["tiled"]
+    if tiled_reduce:
+        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted)
+    else:
+        reduce = norm_fn_reduce_kernel(rows, weighted, tensor_cores)
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     if tensor_cores:
@@ -947,6 +1047,17 @@ def mhc_pre_norm_fn_bwd(
             *strides,
         )
         layout = (rows * features, features, 1, 0)  # partial[s, j, k]
+    if tiled_reduce:
+        reduce(
+            partial,
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            d_fn.view(-1),
+            (d_weight if weighted else d_fn).view(-1),
+            *mhc_fn.stride(),
+            strides[-1],
+        )
+        return d_residual, d_fn, d_weight
     reduce(
         partial.view(-1),
         flat_view(mhc_fn),
