@@ -848,10 +848,15 @@ def _tensor_cores(residual: torch.Tensor) -> bool:
     return residual.is_contiguous() and (n * hidden) % 8 == 0 and address(residual) % 16 == 0
 
 
+# The statistics GEMM's schedule, read at each call (committed values; a sweep changes them). ``depth``
+# divides MMA_DEPTH, the padding of the folded fn.
+MMA_SCHEDULE = {"depth": MMA_DEPTH, "stages": MMA_STAGES, "target_ctas": MMA_TARGET_CTAS}
+
+
 def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     """(splits, steps per split) of the features for the tensor-core GEMM: from the shape only."""
-    steps = ceil_div(features, MMA_DEPTH)
-    wanted = max(1, min(steps, ceil_div(MMA_TARGET_CTAS, ceil_div(tokens, MMA_TOKENS))))
+    steps = ceil_div(features, MMA_SCHEDULE["depth"])
+    wanted = max(1, min(steps, ceil_div(MMA_SCHEDULE["target_ctas"], ceil_div(tokens, MMA_TOKENS))))
     per_split = ceil_div(steps, wanted)
     return ceil_div(steps, per_split), per_split
 
@@ -868,7 +873,7 @@ def _norm_fn_statistics_mma(
     weighted = mhc_norm_weight is not None
     splits, per_split = _mma_splits(tokens, features)
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
-    mma_kernel = norm_fn_mma_kernel(2 * half)
+    mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"])
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"])
     if compiling_only():
