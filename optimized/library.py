@@ -505,12 +505,14 @@ def mhc_pre_norm_fn_bwd(
     mhc_fn: torch.Tensor,
     mhc_norm_weight: torch.Tensor | None,
     mhc_norm_eps: float,
+    grad_addend: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_norm.mhc_pre_norm_fn_bwd``, with an empty fp32 ``[0]`` tensor for the norm weight's
-    gradient the launcher returns as None (no ``mhc_norm_weight``). Returns ``(dresidual fp32 [T, n, C],
-    dfn fp32 [m, nC], dnorm_weight fp32 [nC] or [0])``."""
+    gradient the launcher returns as None (no ``mhc_norm_weight``), and its keyword-only
+    ``grad_addend`` as an ordinary argument. Returns ``(dresidual fp32 [T, n, C] (bf16 with
+    grad_addend), dfn fp32 [m, nC], dnorm_weight fp32 [nC] or [0])``."""
     d_residual, d_fn, d_weight = mhc_norm.mhc_pre_norm_fn_bwd(
-        grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps
+        grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, grad_addend=grad_addend
     )
     return d_residual, d_fn, _absent(d_residual) if d_weight is None else d_weight
 

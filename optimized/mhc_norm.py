@@ -43,9 +43,9 @@ import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
-from tileproof.reference.mhc import check_norm_inputs
+from tileproof.reference.mhc import check_grad_addend, check_norm_inputs
 
-from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 
 __all__ = ["mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"]
 
@@ -118,15 +118,15 @@ def warp_sum(partials, count: int):
 
 @T.macro
 def store_group(dst, values, slot, base, group, count, vector: int):
-    """``values[slot·GROUP + e]`` → channel ``group·GROUP + e`` of the contiguous fp32 row at ``base`` (in vectors
-    when ``vector == GROUP``: one 16-byte store), below ``count``."""
+    """``values[slot·GROUP + e]`` → channel ``group·GROUP + e`` of the contiguous row at ``base`` (in vectors
+    when ``vector == GROUP``: one 16-byte store for fp32), below ``count``; rounded to ``dst``'s dtype."""
     if vector == 1:
         for e in T.unroll(GROUP):
             if T.cast(group * GROUP + e, "int64") < count:
-                dst[base + group * GROUP + e] = values[slot * GROUP + e]
+                dst[base + group * GROUP + e] = T.cast(values[slot * GROUP + e], dst.dtype)
     else:
         for e in T.vectorized(GROUP):
-            dst[(base + group) * GROUP + e] = values[slot * GROUP + e]
+            dst[(base + group) * GROUP + e] = T.cast(values[slot * GROUP + e], dst.dtype)
 
 
 @T.macro
@@ -299,15 +299,19 @@ def norm_fn_kernel(
 
 
 @jit()
-def norm_fn_grad_kernel(n: int, rows: int, vector: int, weighted: bool, threads: int = GRAD_THREADS):
+def norm_fn_grad_kernel(
+    n: int, rows: int, vector: int, weighted: bool, accumulate: bool = False, threads: int = GRAD_THREADS
+):
     """Grid (channel blocks, streams, token splits): ``dres[t, i, c] = Σ_j fn[j, k]·dmul[t, j] +
     2dsq[t]·x[t, k]`` (fp32, contiguous) and ``partial[split, j, k] = Σ_{t in split} dmul[t, j]·x[t, k]``
-    (tokens in order), ``k = i·C + c``; ``coef`` is ``norm_fn_kernel``'s backward output."""
+    (tokens in order), ``k = i·C + c``; ``coef`` is ``norm_fn_kernel``'s backward output. With
+    ``accumulate``, ``dres = bf16(that + addend)`` (the contiguous bf16 ``addend``, one fp32 add)."""
     residual_span = T.dynamic("residual_span")
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
     coef_span = T.dynamic("coef_span")
     dres_span = T.dynamic("dres_span")
+    addend_span = T.dynamic("addend_span")
     partial_span = T.dynamic("partial_span")
 
     @T.prim_func
@@ -316,7 +320,8 @@ def norm_fn_grad_kernel(n: int, rows: int, vector: int, weighted: bool, threads:
         fn: T.Tensor((fn_span,), "float32"),
         gamma: T.Tensor((gamma_span,), "float32"),
         coef: T.Tensor((coef_span,), "float32"),
-        dres: T.Tensor((dres_span,), "float32"),
+        dres: T.Tensor((dres_span,), "bfloat16" if accumulate else "float32"),
+        addend: T.Tensor((addend_span,), "bfloat16"),
         partial: T.Tensor((partial_span,), "float32"),
         num_tokens: T.int32,
         hidden: T.int32,
@@ -382,6 +387,11 @@ def norm_fn_grad_kernel(n: int, rows: int, vector: int, weighted: bool, threads:
                             result[e] = result[e] + slab[j * GROUP + e] * dmul[j]
                             dfn[j * GROUP + e] = dfn[j * GROUP + e] + dmul[j] * xs[e]
                     row = (t64 * n + stream) * (hidden // vector)  # in vectors on the vector path
+                    if accumulate:
+                        for e in T.unroll(GROUP):
+                            at = row + group * GROUP + e if vector == 1 else (row + group) * GROUP + e
+                            if T.cast(group * GROUP + e, "int64") < T.cast(hidden, "int64"):
+                                result[e] = result[e] + T.cast(addend[at], "float32")
                     store_group(dres, result, 0, row, group, T.cast(hidden, "int64"), vector)
                 for j in T.unroll(rows):
                     row = ((T.cast(split, "int64") * rows + j) * n + stream) * (hidden // vector)
@@ -718,6 +728,7 @@ def norm_fn_grad_mma_kernel(
     block_features: int = GRAD_MMA_FEATURES,
     min_blocks: int = 1,
     staged_store: bool = False,
+    accumulate: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
@@ -727,14 +738,17 @@ def norm_fn_grad_mma_kernel(
 
     ``min_blocks`` > 1 asks for that many CTAs per SM (``__launch_bounds__``) and splits the
     registers to fit: the consumer warpgroup gets ``65536 / min_blocks / 128 − 24`` (multiple of 8,
-    at most 240), the TMA producer 24. ``staged_store``: dx goes through a shared fp32 tile and
-    leaves by one bulk copy instead of each thread's stores from the accumulator."""
+    at most 240), the TMA producer 24. ``staged_store``: dx goes through a shared tile and leaves by
+    one bulk copy instead of each thread's stores from the accumulator. ``accumulate``: ``dres =
+    bf16(that + addend[t, k])`` (the contiguous bf16 ``addend``, one fp32 add, one rounding)."""
+    out_dtype = "bfloat16" if accumulate else "float32"
     width = 3 * slots
     consumer_registers = min(240, (65536 // min_blocks // MMA_THREADS - 24) // 8 * 8)
     tokens = T.dynamic("tokens")
     features = T.dynamic("features")
     padded = T.dynamic("padded")
     splits = T.dynamic("splits")
+    addend_span = T.dynamic("addend_span")
 
     @T.prim_func
     def kernel(
@@ -742,7 +756,8 @@ def norm_fn_grad_mma_kernel(
         stacked: T.Tensor((width, padded), "bfloat16"),
         dsplit: T.Tensor((tokens, width), "bfloat16"),
         coef: T.Tensor((tokens, rows + 1), "float32"),
-        dres: T.Tensor((tokens, features), "float32"),
+        dres: T.Tensor((tokens, features), out_dtype),
+        addend: T.Tensor((addend_span,), "bfloat16"),
         partial: T.Tensor((splits, features, 2 * slots), "float32"),
         split_tiles: T.int32,
     ):
@@ -753,8 +768,10 @@ def norm_fn_grad_mma_kernel(
             dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
             dx = T.alloc_fragment((MMA_TOKENS, block_features), "float32")
             dfn = T.alloc_fragment((block_features, 2 * slots), "float32")
+            if accumulate:
+                dx_out = T.alloc_fragment((MMA_TOKENS, block_features), out_dtype)
             if staged_store:
-                dx_shared = T.alloc_shared((MMA_TOKENS, block_features), "float32")
+                dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 T.annotate_producer_reg_dealloc(24)
@@ -773,7 +790,17 @@ def norm_fn_grad_mma_kernel(
                 T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
                 for i, k in T.Parallel(MMA_TOKENS, block_features):
                     dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
-                if staged_store:
+                if accumulate:
+                    # The tail's clamped reads are of elements whose stores are dropped.
+                    for i, k in T.Parallel(MMA_TOKENS, block_features):
+                        at = T.cast(T.min(token + i, tokens - 1), "int64") * features + T.min(first + k, features - 1)
+                        dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend[at], "float32"), out_dtype)
+                    if staged_store:
+                        T.copy(dx_out, dx_shared)
+                        T.copy(dx_shared, dres[token, first])
+                    else:
+                        T.copy(dx_out, dres[token, first])
+                elif staged_store:
                     T.copy(dx, dx_shared)
                     T.copy(dx_shared, dres[token, first])
                 else:
@@ -806,7 +833,7 @@ def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TAR
     return ceil_div(tiles, per_split), per_split
 
 
-def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float):
+def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float, addend):
     """The backward's statistics (``coef``), ``d_residual`` and the per-split dfn partials
     ``[splits, nC, 2·slots]`` (hi and lo columns apart; returned; None under ``compiling_only``) on
     tensor cores: five launches."""
@@ -818,7 +845,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
     schedule = dict(GRAD_MMA_SCHEDULE)
     splits, per_split = _grad_mma_splits(tokens, features, GRAD_MMA_TARGET_CTAS * schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
-    grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule)
+    grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
     _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit)
@@ -837,7 +864,8 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
         mhc_norm_weight.stride(0) if weighted else 0,
     )
     x = residual.view(tokens, features)
-    grad_kernel(x, stacked, dsplit, coef, d_residual.view(tokens, features), partial, per_split)
+    addend_argument = device_constant(BF16, device) if addend is None else addend.view(-1)
+    grad_kernel(x, stacked, dsplit, coef, d_residual.view(tokens, features), addend_argument, partial, per_split)
     return partial
 
 
@@ -979,14 +1007,19 @@ def mhc_pre_norm_fn_bwd(
     mhc_fn: torch.Tensor,
     mhc_norm_weight: torch.Tensor | None,
     mhc_norm_eps: float,
+    *,
+    grad_addend: torch.Tensor | None = None,
 ):
     """Explicit backward of ``mhc_pre_norm_fn``: ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC],
-    dnorm_weight fp32 [nC] or None)``; dfn and dγ are summed over tokens deterministically."""
+    dnorm_weight fp32 [nC] or None)``; dfn and dγ are summed over tokens deterministically. With
+    ``grad_addend`` (bf16 ``[T, n, C]``, as in the reference) the kernel adds it to dx in fp32 and
+    returns dresidual as bf16, rounded once (a non-contiguous addend is copied first)."""
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     rows = mhc_fn.shape[0]
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
     check_shape("grad_output", grad_output, (tokens, rows))
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    check_grad_addend(grad_addend, tokens, n, hidden)
     for name, tensor in (("grad_output", grad_output), ("residual", residual), ("mhc_fn", mhc_fn)):
         require_cuda(name, tensor)
     weighted = mhc_norm_weight is not None
@@ -994,10 +1027,19 @@ def mhc_pre_norm_fn_bwd(
         require_cuda("mhc_norm_weight", mhc_norm_weight)
     device = residual.device
     features = n * hidden
-    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=F32, device=device))
+    accumulate = grad_addend is not None
+    if accumulate:
+        require_cuda("grad_addend", grad_addend)
+        grad_addend = grad_addend.contiguous()
+    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16 if accumulate else F32, device=device))
     d_fn = new_output(torch.empty((rows, features), dtype=F32, device=device))
     d_weight = new_output(torch.empty((features,), dtype=F32, device=device)) if weighted else None
     if features == 0 or rows == 0:
+        # No rows: dx = 2·dsq·x with dsq = 0 (an empty sum).
+        if accumulate:
+            d_residual.copy_(grad_addend)
+        else:
+            d_residual.zero_()
         return d_residual, d_fn, d_weight.zero_() if weighted else None
     if tokens == 0:
         return d_residual, d_fn.zero_(), d_weight.zero_() if weighted else None
@@ -1013,7 +1055,9 @@ def mhc_pre_norm_fn_bwd(
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     if tensor_cores:
-        partial = _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps)
+        partial = _tensor_core_gradients(
+            residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps, grad_addend
+        )
         if partial is None:
             return d_residual, d_fn, d_weight
         splits, _, columns = partial.shape
@@ -1022,7 +1066,7 @@ def mhc_pre_norm_fn_bwd(
         split_tokens = _split_tokens(tokens, hidden, n)
         splits = ceil_div(tokens, split_tokens)
         stats = norm_fn_kernel(n, rows, vector, weighted, True)
-        grad = norm_fn_grad_kernel(n, rows, vector, weighted)
+        grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
         if compiling_only():
             return d_residual, d_fn, d_weight
         partial = torch.empty((splits, rows, features), dtype=F32, device=device)
@@ -1044,6 +1088,7 @@ def mhc_pre_norm_fn_bwd(
             flat_view(gamma),
             coef.view(-1),
             d_residual.view(-1),
+            grad_addend.view(-1) if accumulate else device_constant(BF16, device),
             partial.view(-1),
             tokens,
             hidden,

@@ -13,9 +13,9 @@ Differences from the reference, all deliberate:
 - **bf16 storage only.** The kernels are bf16 kernels: fp32 / fp64 streams or hidden states, which
   the reference accepts for gradcheck, raise ``TypeError`` here (after the reference's own checks,
   so every input the reference refuses is refused with its message).
-- **The residual's gradient inside ``mhc_pre``.** The pre-apply backward kernel rounds its dX to
-  bf16, the norm-fn backward keeps its dX in fp32; the two are added in fp32 and rounded once more
-  (the reference adds both in fp32 and rounds once), the one place where a layer adds gradient
+- **The residual's gradient inside ``mhc_pre`` and ``mhc_head``.** The pre-apply backward kernel
+  rounds its dX to bf16; the norm-fn backward kernel adds it to its fp32 dX and rounds once more
+  (``grad_addend``; the reference adds both in fp32 and rounds once), so no layer adds gradient
   terms itself. Across layers (the residual read by ``mhc_pre`` and ``mhc_post``) autograd adds the
   bf16 gradients, as in the reference.
 - **Engram gains.** ``engram_gate_bwd`` writes one fp32 partial of ``Σ_t β·x⊙k`` per token block
@@ -112,10 +112,13 @@ def _kernels(module):
     return module
 
 
-def _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps: float):
-    """``mhc_pre_norm_fn_bwd`` → ``(dresidual, dfn, dnorm_weight or None)``: without a norm weight its
-    operator returns an empty tensor for ``dnorm_weight`` (schemas return no None), the launcher None."""
-    d_residual, d_fn, d_weight = _kernels(mhc).mhc_pre_norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps)
+def _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps: float, grad_addend):
+    """``mhc_pre_norm_fn_bwd`` → ``(bf16(dresidual + grad_addend), dfn, dnorm_weight or None)``: without a
+    norm weight its operator returns an empty tensor for ``dnorm_weight`` (schemas return no None), the
+    launcher None."""
+    d_residual, d_fn, d_weight = _kernels(mhc).mhc_pre_norm_fn_bwd(
+        grad_mixes, residual, fn, norm_weight, norm_eps, grad_addend=grad_addend
+    )
     return d_residual, d_fn, None if norm_weight is None else d_weight
 
 
@@ -345,10 +348,12 @@ class _MHCPreFunction(torch.autograd.Function):
         grad_mixes, grad_scale, grad_base = kernels.mhc_pre_split_mixes_bwd(
             grad_pre, grad_post.contiguous(), grad_logits, mixes, scale, base, n, post_mult
         )
-        d_norm, grad_fn, grad_norm_weight = _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps)
-        # The residual's two terms inside this layer: summed in fp32 (d_apply is bf16 already: the
-        # pre-apply kernel rounds it), then rounded once to the residual's dtype.
-        grad_residual = d_norm.add_(d_apply).to(BF16) if ctx.needs_input_grad[0] else None
+        # The residual's two terms inside this layer: the norm-fn backward adds d_apply (bf16 already:
+        # the pre-apply kernel rounds it) to its fp32 dx and rounds once, in its kernel.
+        grad_residual, grad_fn, grad_norm_weight = _norm_fn_bwd(
+            grad_mixes, residual, fn, norm_weight, norm_eps, d_apply
+        )
+        grad_residual = grad_residual if ctx.needs_input_grad[0] else None
         return grad_residual, grad_fn, grad_scale, grad_base, grad_norm_weight, None
 
 
@@ -468,14 +473,16 @@ class _MHCHeadFunction(torch.autograd.Function):
         kernels = _kernels(mhc)
         d_apply, grad_mix = kernels.mhc_pre_apply_mix_bwd(grad_output.contiguous(), residual, head_mix)
         grad_mixes, grad_scale, grad_base = kernels.mhc_head_compute_mix_bwd(grad_mix, mixes, scale_1, base)
-        d_norm, grad_rows, grad_norm_weight = _norm_fn_bwd(grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps)
+        grad_residual, grad_rows, grad_norm_weight = _norm_fn_bwd(
+            grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps, d_apply
+        )
         grad_fn = grad_rows
         if fn.shape[0] != n:
             # The rows beyond n (TileKernels' zero padding) take no part: their gradient is 0.
             grad_fn = torch.zeros_like(fn)
             grad_fn[:n].copy_(grad_rows)
-        # As in mhc_pre: the residual's two terms summed in fp32, rounded once more.
-        grad_residual = d_norm.add_(d_apply).to(BF16) if ctx.needs_input_grad[0] else None
+        # As in mhc_pre: d_apply added to the norm-fn's fp32 dx in its kernel, rounded once.
+        grad_residual = grad_residual if ctx.needs_input_grad[0] else None
         return grad_residual, grad_fn, grad_scale.reshape(ctx.scale_shape), grad_base, grad_norm_weight, None, None
 
 

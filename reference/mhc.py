@@ -494,6 +494,13 @@ def norm_fn_backward_math(grad, x, fn, eps: float):
     return d_x, d_fn
 
 
+def check_grad_addend(grad_addend, tokens: int, n: int, hidden: int) -> None:
+    """``mhc_pre_norm_fn_bwd``'s optional ``grad_addend`` (both twins): None or bf16 ``[T, n, C]``."""
+    if grad_addend is not None:
+        check_tensor("grad_addend", grad_addend, dtypes=(torch.bfloat16,), ndim=3)
+        check_shape("grad_addend", grad_addend, (tokens, n, hidden))
+
+
 def check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]:
     tokens, n, hidden = check_residual("residual", residual)
     check_tensor("mhc_fn", mhc_fn, dtypes=(F32,), ndim=2)
@@ -529,21 +536,32 @@ def mhc_pre_norm_fn_bwd(
     mhc_fn: torch.Tensor,
     mhc_norm_weight: torch.Tensor | None,
     mhc_norm_eps: float,
+    *,
+    grad_addend: torch.Tensor | None = None,
 ):
     """Explicit backward of ``mhc_pre_norm_fn``.
 
+    Args:
+        grad_addend: optional bf16 ``[T, n, C]`` (keyword only), another gradient term of the same
+            residual (``mhc_pre``'s pre-apply term): dresidual is then ``bf16(dx + grad_addend)``,
+            one fp32 add and one rounding, instead of the fp32 dx.
+
     Returns:
-        ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC], dnorm_weight fp32 [nC] or None)``. dresidual
-        stays fp32: the caller adds it to the post and pre-apply gradients of the same residual.
+        ``(dresidual fp32 [T, n, C] (bf16 with grad_addend), dfn fp32 [m, nC], dnorm_weight fp32 [nC]
+        or None)``. Without an addend dresidual stays fp32: the caller adds it to the post and
+        pre-apply gradients of the same residual.
     """
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
     check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    check_grad_addend(grad_addend, tokens, n, hidden)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
     d_x, d_fn_folded = norm_fn_backward_math(grad_output, x, fn, eps)
     d_residual = rearrange(d_x, "t (i c) -> t i c", i=n).contiguous()
+    if grad_addend is not None:
+        d_residual = (d_residual + grad_addend.to(F32)).to(torch.bfloat16)
     if mhc_norm_weight is None:
         return d_residual, d_fn_folded.contiguous(), None
     d_fn = d_fn_folded * mhc_norm_weight

@@ -181,6 +181,46 @@ def test_head_norm_fn_matches_reference(tokens, hidden):
     _check(oracle.PreNormFnBwd, names, outputs, expected64, expected)
 
 
+@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad", [case for case in NORM_CASES if case[0] != 1])
+def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad, weighted, fn_pad):
+    """With ``grad_addend`` the residual's gradient is bf16(dx + addend) of the plain call's fp32 dx,
+    bit for bit (the add and the rounding in the kernel's epilogue, tensor-core and FFMA paths alike);
+    dfn and dγ do not change."""
+    generator = _generator("norm_fn_bwd_addend", tokens, hidden, pad, weighted, fn_pad)
+    scale = oracle.inverse_sqrt_pow2(max(tokens, 1))
+    residual, fn, weight = _inputs(
+        tokens, hidden, pad, weighted, fn_pad, generator, fn_scale=2.0**-3, stream_scale=scale
+    )
+    grad = _padded(scale * torch.randn(tokens, M, generator=generator), pad, F32)
+    addend = (scale * torch.randn(tokens, N, hidden, generator=generator)).to(BF16).to(DEVICE)
+    if DEVICE != "cuda":
+        with compile_only():
+            _optimized().mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, grad_addend=addend)
+        return
+    plain = _run("mhc_pre_norm_fn_bwd", grad, residual, fn, weight, EPS)
+    with poison_outputs():
+        summed = _optimized().mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, grad_addend=addend)
+    assert summed[0].dtype == BF16
+    expected = (plain[0] + addend.float()).to(BF16)
+    assert torch.equal(summed[0].view(torch.int16), expected.view(torch.int16))
+    for a, b in zip(summed[1:], plain[1:], strict=True):
+        assert (a is None and b is None) or torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("addend_kind", ["fp32", "shape"])
+def test_invalid_grad_addend_raises_the_reference_error(addend_kind):
+    residual = torch.zeros(3, N, 64, dtype=BF16, device=DEVICE)
+    fn = torch.zeros(M, N * 64, device=DEVICE)
+    grad = torch.zeros(3, M, device=DEVICE)
+    addend = torch.zeros(3, N, 64, device=DEVICE) if addend_kind == "fp32" else residual[:2]
+    with pytest.raises((TypeError, ValueError)) as expected:
+        reference.mhc_pre_norm_fn_bwd(grad, residual, fn, None, EPS, grad_addend=addend)
+    with pytest.raises(expected.type) as actual, compile_only() if DEVICE != "cuda" else nullcontext():
+        _optimized().mhc_pre_norm_fn_bwd(grad, residual, fn, None, EPS, grad_addend=addend)
+    assert str(actual.value) == str(expected.value)
+    assert "grad_addend" in str(actual.value)
+
+
 def test_norm_fn_bwd_is_deterministic():
     """Two runs give the same bits (fixed-order split reduction, no atomics)."""
     generator = _generator("norm_fn_bwd_repeat")
