@@ -776,6 +776,9 @@ def norm_fn_grad_mma_kernel(
                 T.annotate_min_blocks_per_sm(min_blocks)
                 T.annotate_producer_reg_dealloc(24)
                 T.annotate_consumer_reg_alloc(consumer_registers)
+            # The launcher sends only feature counts that are multiples of GRAD_MMA_FEATURES here
+            # (_tensor_cores): no column guard on the stores, which then pair up (8-byte stores).
+            T.assume(features % block_features == 0)
             first = block * block_features
             T.copy(stacked[0, first], stacked_shared)
             T.clear(dfn)
@@ -870,10 +873,12 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
 
 
 def _tensor_cores(residual: torch.Tensor) -> bool:
-    """The tensor-core path reads x ``[T, nC]`` by TMA: a contiguous residual whose rows are 16-byte
-    multiples on a 16-byte aligned base. Other layouts take the FFMA kernel."""
+    """The tensor-core path reads x ``[T, nC]`` by TMA: a contiguous residual on a 16-byte aligned base
+    whose rows are whole feature blocks of the backward (nC a multiple of GRAD_MMA_FEATURES: every
+    model's C is a multiple of 32), so its stores need no column guard. Other layouts take the FFMA
+    kernels."""
     tokens, n, hidden = residual.shape
-    return residual.is_contiguous() and (n * hidden) % 8 == 0 and address(residual) % 16 == 0
+    return residual.is_contiguous() and (n * hidden) % GRAD_MMA_FEATURES == 0 and address(residual) % 16 == 0
 
 
 # The statistics GEMM's schedule, read at each call (committed values; a sweep changes them). ``depth``
