@@ -68,7 +68,6 @@ OPERATORS: dict[str, tuple[str, tuple[str, ...]]] = {
     "grad_w_reduce": ("engram", ("grad_wh", "grad_we")),
     "expand_to_mhc": ("mhc", ()),
     "expand_to_mhc_bwd": ("mhc", ()),
-    "mhc_pre_norm_fn": ("mhc_norm", ()),
     "mhc_pre_split_mixes": ("mhc", ()),
     "mhc_pre_split_mixes_bwd": ("mhc", ()),
     "sinkhorn_normalize": ("mhc", ()),
@@ -499,6 +498,22 @@ def engram_gate_bwd(
 
 
 @_adapter()
+def mhc_pre_norm_fn(
+    residual: torch.Tensor,
+    mhc_fn: torch.Tensor,
+    mhc_norm_weight: torch.Tensor | None,
+    mhc_norm_eps: float,
+    save_statistics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mhc_norm.mhc_pre_norm_fn``, always ``(mixes fp32 [T, m], statistics)``: the statistics fp32
+    ``[T, m + 1]`` with ``save_statistics``, else an empty fp32 ``[0]`` (a schema has one return form)."""
+    if save_statistics:
+        return mhc_norm.mhc_pre_norm_fn(residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, save_statistics=True)
+    mixes = mhc_norm.mhc_pre_norm_fn(residual, mhc_fn, mhc_norm_weight, mhc_norm_eps)
+    return mixes, _absent(mixes)
+
+
+@_adapter()
 def mhc_pre_norm_fn_bwd(
     grad_output: torch.Tensor,
     residual: torch.Tensor,
@@ -506,13 +521,14 @@ def mhc_pre_norm_fn_bwd(
     mhc_norm_weight: torch.Tensor | None,
     mhc_norm_eps: float,
     grad_addend: torch.Tensor | None = None,
+    statistics: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_norm.mhc_pre_norm_fn_bwd``, with an empty fp32 ``[0]`` tensor for the norm weight's
     gradient the launcher returns as None (no ``mhc_norm_weight``), and its keyword-only
-    ``grad_addend`` as an ordinary argument. Returns ``(dresidual fp32 [T, n, C] (bf16 with
+    ``grad_addend`` and ``statistics`` as ordinary arguments. Returns ``(dresidual fp32 [T, n, C] (bf16 with
     grad_addend), dfn fp32 [m, nC], dnorm_weight fp32 [nC] or [0])``."""
     d_residual, d_fn, d_weight = mhc_norm.mhc_pre_norm_fn_bwd(
-        grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, grad_addend=grad_addend
+        grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, grad_addend=grad_addend, statistics=statistics
     )
     return d_residual, d_fn, _absent(d_residual) if d_weight is None else d_weight
 

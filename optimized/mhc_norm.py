@@ -43,7 +43,7 @@ import tilelang.language as T
 import torch
 
 from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
-from tileproof.reference.mhc import check_grad_addend, check_norm_inputs
+from tileproof.reference.mhc import check_grad_addend, check_norm_inputs, check_statistics
 
 from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
 
@@ -176,11 +176,19 @@ def load_folded_fn(
 
 @jit()
 def norm_fn_kernel(
-    n: int, rows: int, vector: int, weighted: bool, backward: bool, tokens: int = TOKENS, threads: int = THREADS
+    n: int,
+    rows: int,
+    vector: int,
+    weighted: bool,
+    backward: bool,
+    tokens: int = TOKENS,
+    threads: int = THREADS,
+    save_statistics: bool = False,
 ):
     """One warp per ``tokens`` tokens: ``mul[t, j] = Σ_k x[t, k]·fn[j, k]`` and ``sq[t] = Σ_k x²``
-    (fp32, ``warp_sum``). Forward: ``out[t, j] = mul·rsqrt(sq/nC + eps)`` (``[T, rows]``). Backward
-    (``grad`` read): ``out[t] = [dmul (rows) | 2·dsq]`` (``[T, rows + 1]``)."""
+    (fp32, ``warp_sum``). Forward: ``out[t, j] = mul·rsqrt(sq/nC + eps)`` (``[T, rows]``), and with
+    ``save_statistics`` ``statistics[t] = [mul | sq]`` (``[T, rows + 1]``). Backward (``grad`` read):
+    ``out[t] = [dmul (rows) | 2·dsq]`` (``[T, rows + 1]``)."""
     warps = threads // 32
     sums = tokens * (rows + 1)  # [mul (tokens × rows) | sq (tokens)]
     width = rows + 1 if backward else rows
@@ -189,6 +197,7 @@ def norm_fn_kernel(
     gamma_span = T.dynamic("gamma_span")
     grad_span = T.dynamic("grad_span")
     out_span = T.dynamic("out_span")
+    statistics_span = T.dynamic("statistics_span")
 
     @T.prim_func
     def kernel(
@@ -197,6 +206,7 @@ def norm_fn_kernel(
         gamma: T.Tensor((gamma_span,), "float32"),
         grad: T.Tensor((grad_span,), "float32"),
         out: T.Tensor((out_span,), "float32"),
+        statistics: T.Tensor((statistics_span,), "float32"),
         num_tokens: T.int32,
         hidden: T.int32,
         residual_token_stride: T.int32,
@@ -294,6 +304,11 @@ def norm_fn_kernel(
                         else:
                             for j in T.unroll(rows):
                                 out[base + j] = partials[t * rows + j] * rstd
+                            if save_statistics:
+                                stat_base = T.cast(token, "int64") * (rows + 1)
+                                for j in T.unroll(rows):
+                                    statistics[stat_base + j] = partials[t * rows + j]
+                                statistics[stat_base + rows] = sq
 
     return kernel
 
@@ -645,12 +660,24 @@ def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_S
 
 
 @jit()
-def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, threads: int = FINISH_THREADS):
+def norm_fn_finish_kernel(
+    rows: int,
+    half: int,
+    backward: bool,
+    slots: int = 0,
+    threads: int = FINISH_THREADS,
+    save_statistics: bool = False,
+    from_statistics: bool = False,
+):
     """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
     in order), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
     ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
     ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
-    zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``."""
+    zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``.
+    ``save_statistics`` (forward): also ``statistics[t] = [mul_j + low_j (rows) | sq]``, the values the
+    epilogue used. ``from_statistics`` (backward): those values read from ``statistics`` instead of
+    summed from the partials (which are then not read), so the results are the recomputing ones, bit
+    for bit, when the statistics come from the same GEMM schedule."""
     columns = 2 * half
     width = rows + 1 if backward else rows
     tokens = T.dynamic("tokens")
@@ -658,6 +685,7 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
     grad_span = T.dynamic("grad_span")
     out_span = T.dynamic("out_span")
     dsplit_span = T.dynamic("dsplit_span")
+    statistics_span = T.dynamic("statistics_span")
 
     @T.prim_func
     def kernel(
@@ -666,6 +694,7 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
         grad: T.Tensor((grad_span,), "float32"),
         out: T.Tensor((out_span,), "float32"),
         dsplit: T.Tensor((dsplit_span,), "bfloat16"),
+        statistics: T.Tensor((statistics_span,), "float32"),
         features: T.int32,
         grad_token_stride: T.int32,
         grad_col_stride: T.int32,
@@ -679,15 +708,28 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
             dot = T.alloc_local((1,), "float32")
             token = block * threads + tx
             if token < tokens:
-                for j in T.unroll(rows):
-                    mul[j] = T.float32(0)
-                    low[j] = T.float32(0)
-                sq[0] = T.float32(0)
-                for s in T.serial(splits):
+                stat_base = T.cast(token, "int64") * (rows + 1)
+                if from_statistics:
+                    # mul holds the whole product (hi and lo parts summed by the forward).
                     for j in T.unroll(rows):
-                        mul[j] = mul[j] + partial[s, token, j]
-                        low[j] = low[j] + partial[s, token, half + j]
-                    sq[0] = sq[0] + partial_sq[s, token]
+                        mul[j] = statistics[stat_base + j]
+                    sq[0] = statistics[stat_base + rows]
+                else:
+                    for j in T.unroll(rows):
+                        mul[j] = T.float32(0)
+                        low[j] = T.float32(0)
+                    sq[0] = T.float32(0)
+                    for s in T.serial(splits):
+                        for j in T.unroll(rows):
+                            mul[j] = mul[j] + partial[s, token, j]
+                            low[j] = low[j] + partial[s, token, half + j]
+                        sq[0] = sq[0] + partial_sq[s, token]
+                    for j in T.unroll(rows):
+                        mul[j] = mul[j] + low[j]
+                    if save_statistics:
+                        for j in T.unroll(rows):
+                            statistics[stat_base + j] = mul[j]
+                        statistics[stat_base + rows] = sq[0]
                 count = T.cast(features, "float32")
                 rstd = T.rsqrt(T.ieee_fdiv(sq[0], count) + eps)
                 base = T.cast(token, "int64") * width
@@ -696,7 +738,7 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
                     dot[0] = T.float32(0)
                     for j in T.unroll(rows):
                         g = grad[g_base + j * grad_col_stride]
-                        dot[0] = dot[0] + g * (mul[j] + low[j])
+                        dot[0] = dot[0] + g * mul[j]
                         out[base + j] = g * rstd
                     out[base + rows] = T.ieee_fdiv(-dot[0] * rstd, sq[0] + eps * count)
                     if slots:
@@ -715,7 +757,7 @@ def norm_fn_finish_kernel(rows: int, half: int, backward: bool, slots: int = 0, 
                             )
                 else:
                     for j in T.unroll(rows):
-                        out[base + j] = (mul[j] + low[j]) * rstd
+                        out[base + j] = mul[j] * rstd
 
     return kernel
 
@@ -836,7 +878,9 @@ def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TAR
     return ceil_div(tiles, per_split), per_split
 
 
-def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float, addend):
+def _tensor_core_gradients(
+    residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float, addend, statistics
+):
     """The backward's statistics (``coef``), ``d_residual`` and the per-split dfn partials
     ``[splits, nC, 2·slots]`` (hi and lo columns apart; returned; None under ``compiling_only``) on
     tensor cores: five launches."""
@@ -851,7 +895,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, coef,
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
-    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit)
+    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit, statistics)
     if compiling_only():
         return None
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
@@ -895,10 +939,12 @@ def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
 
 
 def _norm_fn_statistics_mma(
-    residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None
+    residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None, statistics=None
 ) -> None:
     """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``) by the
-    tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue)."""
+    tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue). With
+    ``statistics`` ``[T, m + 1]``: the forward writes them too; the backward reads them instead of
+    running the GEMM (one launch)."""
     tokens, n, hidden = residual.shape
     features = n * hidden
     rows = mhc_fn.shape[0]
@@ -908,10 +954,34 @@ def _norm_fn_statistics_mma(
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
     mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"])
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"])
+    saved = statistics is not None
+    finish_kernel = norm_fn_finish_kernel(
+        rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved and not backward, saved and backward
+    )
     if compiling_only():
         return
     device = residual.device
+    grad_strides = grad.stride() if backward else (0, 0)
+    split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
+    statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
+    if saved and backward:
+        # No partials to read: empty ones of the right token count (the kernel binds T from them).
+        partial, partial_sq = (
+            torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
+            torch.empty((0, tokens), dtype=F32, device=device),
+        )
+        finish_kernel(
+            partial,
+            partial_sq,
+            flat_view(grad),
+            out.view(-1),
+            split_argument,
+            statistics_argument,
+            features,
+            *grad_strides,
+            eps,
+        )
+        return
     # Scratch, not outputs: every element is written before it is read.
     folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
     partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
@@ -926,9 +996,17 @@ def _norm_fn_statistics_mma(
         mhc_norm_weight.stride(0) if weighted else 0,
     )
     mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
-    grad_strides = grad.stride() if backward else (0, 0)
-    split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
-    finish_kernel(partial, partial_sq, flat_view(grad), out.view(-1), split_argument, features, *grad_strides, eps)
+    finish_kernel(
+        partial,
+        partial_sq,
+        flat_view(grad),
+        out.view(-1),
+        split_argument,
+        statistics_argument,
+        features,
+        *grad_strides,
+        eps,
+    )
 
 
 def _vector(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None) -> int:
@@ -964,11 +1042,18 @@ def _split_tokens(tokens: int, hidden: int, n: int) -> int:
 
 
 def mhc_pre_norm_fn(
-    residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None, mhc_norm_eps: float
-) -> torch.Tensor:
+    residual: torch.Tensor,
+    mhc_fn: torch.Tensor,
+    mhc_norm_weight: torch.Tensor | None,
+    mhc_norm_eps: float,
+    *,
+    save_statistics: bool = False,
+):
     """RMS-normalised projection of the flattened streams: fp32 ``[T, m]``
-    ``(x @ (fn ⊙ γ)ᵀ) · rsqrt(Σx²/nC + eps)`` (tensor cores for a contiguous residual with 16-byte
-    rows, fp32 FFMA otherwise; sums in any order within the oracle's bound)."""
+    ``(x @ (fn ⊙ γ)ᵀ) · rsqrt(Σx²/nC + eps)`` (tensor cores for a contiguous residual whose nC is a
+    multiple of 128, fp32 FFMA otherwise; sums in any order within the oracle's bound). With
+    ``save_statistics`` (as in the reference) also the fp32 ``[T, m + 1]`` ``[x·(fn⊙γ)ᵀ | Σx²]`` the
+    epilogue used, for ``mhc_pre_norm_fn_bwd(..., statistics=)``."""
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     require_cuda("residual", residual)
@@ -976,19 +1061,30 @@ def mhc_pre_norm_fn(
     if mhc_norm_weight is not None:
         require_cuda("mhc_norm_weight", mhc_norm_weight)
     rows = mhc_fn.shape[0]
-    out = new_output(torch.empty((tokens, rows), dtype=F32, device=residual.device))
-    if out.numel() == 0:
-        return out
+    device = residual.device
+    out = new_output(torch.empty((tokens, rows), dtype=F32, device=device))
+    statistics = new_output(torch.empty((tokens, rows + 1), dtype=F32, device=device)) if save_statistics else None
+
+    def result():
+        return (out, statistics) if save_statistics else out
+
+    if tokens == 0:
+        return result()
     if n * hidden == 0:
-        return out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
-    if _tensor_cores(residual):
-        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, out, out, eps, backward=False)
+        if save_statistics:
+            statistics.zero_()  # empty sums
+        out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
+        return result()
+    if rows == 0 and not save_statistics:
         return out
+    if rows > 0 and _tensor_cores(residual):
+        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, out, out, eps, False, None, statistics)
+        return result()
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     weighted = mhc_norm_weight is not None
-    kernel = norm_fn_kernel(n, rows, vector, weighted, False)
+    kernel = norm_fn_kernel(n, rows, vector, weighted, False, save_statistics=save_statistics)
     if compiling_only():
-        return out
+        return result()
     gamma = mhc_norm_weight if weighted else mhc_fn
     kernel(
         flat_view(residual),
@@ -996,6 +1092,7 @@ def mhc_pre_norm_fn(
         flat_view(gamma),
         out.view(-1),
         out.view(-1),
+        statistics.view(-1) if save_statistics else device_constant(F32, device),
         tokens,
         hidden,
         *_operand_strides(residual, mhc_fn, mhc_norm_weight, vector),
@@ -1003,7 +1100,7 @@ def mhc_pre_norm_fn(
         0,
         eps,
     )
-    return out
+    return result()
 
 
 def mhc_pre_norm_fn_bwd(
@@ -1014,19 +1111,26 @@ def mhc_pre_norm_fn_bwd(
     mhc_norm_eps: float,
     *,
     grad_addend: torch.Tensor | None = None,
+    statistics: torch.Tensor | None = None,
 ):
     """Explicit backward of ``mhc_pre_norm_fn``: ``(dresidual fp32 [T, n, C], dfn fp32 [m, nC],
     dnorm_weight fp32 [nC] or None)``; dfn and dγ are summed over tokens deterministically. With
     ``grad_addend`` (bf16 ``[T, n, C]``, as in the reference) the kernel adds it to dx in fp32 and
-    returns dresidual as bf16, rounded once (a non-contiguous addend is copied first)."""
+    returns dresidual as bf16, rounded once (a non-contiguous addend is copied first). With
+    ``statistics`` (the forward's ``save_statistics`` output) the pass over the streams that would
+    recompute them is skipped; from our forward on the same inputs the results are the same bits."""
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     rows = mhc_fn.shape[0]
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
     check_shape("grad_output", grad_output, (tokens, rows))
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     check_grad_addend(grad_addend, tokens, n, hidden)
+    check_statistics(statistics, tokens, rows)
     for name, tensor in (("grad_output", grad_output), ("residual", residual), ("mhc_fn", mhc_fn)):
         require_cuda(name, tensor)
+    if statistics is not None:
+        require_cuda("statistics", statistics)
+        statistics = statistics.contiguous()
     weighted = mhc_norm_weight is not None
     if weighted:
         require_cuda("mhc_norm_weight", mhc_norm_weight)
@@ -1061,7 +1165,7 @@ def mhc_pre_norm_fn_bwd(
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     if tensor_cores:
         partial = _tensor_core_gradients(
-            residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps, grad_addend
+            residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps, grad_addend, statistics
         )
         if partial is None:
             return d_residual, d_fn, d_weight
@@ -1070,23 +1174,42 @@ def mhc_pre_norm_fn_bwd(
     else:
         split_tokens = _split_tokens(tokens, hidden, n)
         splits = ceil_div(tokens, split_tokens)
-        stats = norm_fn_kernel(n, rows, vector, weighted, True)
+        half = 8 * ceil_div(rows, 8)
+        if statistics is None:
+            stats = norm_fn_kernel(n, rows, vector, weighted, True)
+        else:
+            stats = norm_fn_finish_kernel(rows, half, True, 0, FINISH_SCHEDULE["threads"], False, True)
         grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
         if compiling_only():
             return d_residual, d_fn, d_weight
         partial = torch.empty((splits, rows, features), dtype=F32, device=device)
-        stats(
-            flat_view(residual),
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            flat_view(grad_output),
-            coef.view(-1),
-            tokens,
-            hidden,
-            *strides,
-            *grad_output.stride(),
-            eps,
-        )
+        if statistics is None:
+            stats(
+                flat_view(residual),
+                flat_view(mhc_fn),
+                flat_view(gamma),
+                flat_view(grad_output),
+                coef.view(-1),
+                device_constant(F32, device),
+                tokens,
+                hidden,
+                *strides,
+                *grad_output.stride(),
+                eps,
+            )
+        else:
+            # dmul and 2·dsq from the saved statistics (no partials: empty ones carry T).
+            stats(
+                torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
+                torch.empty((0, tokens), dtype=F32, device=device),
+                flat_view(grad_output),
+                coef.view(-1),
+                device_constant(BF16, device),
+                statistics.view(-1),
+                features,
+                *grad_output.stride(),
+                eps,
+            )
         grad(
             flat_view(residual),
             flat_view(mhc_fn),

@@ -112,12 +112,12 @@ def _kernels(module):
     return module
 
 
-def _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps: float, grad_addend):
-    """``mhc_pre_norm_fn_bwd`` → ``(bf16(dresidual + grad_addend), dfn, dnorm_weight or None)``: without a
-    norm weight its operator returns an empty tensor for ``dnorm_weight`` (schemas return no None), the
-    launcher None."""
+def _norm_fn_bwd(grad_mixes, residual, fn, norm_weight, norm_eps: float, grad_addend, statistics):
+    """``mhc_pre_norm_fn_bwd`` from the forward's statistics → ``(bf16(dresidual + grad_addend), dfn,
+    dnorm_weight or None)``: without a norm weight its operator returns an empty tensor for
+    ``dnorm_weight`` (schemas return no None), the launcher None."""
     d_residual, d_fn, d_weight = _kernels(mhc).mhc_pre_norm_fn_bwd(
-        grad_mixes, residual, fn, norm_weight, norm_eps, grad_addend=grad_addend
+        grad_mixes, residual, fn, norm_weight, norm_eps, grad_addend=grad_addend, statistics=statistics
     )
     return d_residual, d_fn, None if norm_weight is None else d_weight
 
@@ -330,17 +330,18 @@ class _MHCPreFunction(torch.autograd.Function):
     def forward(ctx, residual, fn, scale, base, norm_weight, options: tuple):
         norm_eps, n, post_mult, pre_eps, sinkhorn_eps, repeat = options
         kernels = _kernels(mhc)
-        mixes = kernels.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps)
+        # The statistics ([x·fnᵀ | Σx²], T·(m + 1) floats) spare the backward a pass over the streams.
+        mixes, statistics = kernels.mhc_pre_norm_fn(residual, fn, norm_weight, norm_eps, save_statistics=True)
         pre_mix, post_mix, comb_logits = kernels.mhc_pre_split_mixes(mixes, scale, base, n, post_mult, pre_eps)
         comb_mix = kernels.sinkhorn_normalize(comb_logits, repeat, sinkhorn_eps)
         layer_input = kernels.mhc_pre_apply_mix(residual, pre_mix)
-        ctx.save_for_backward(residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits)
+        ctx.save_for_backward(residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits, statistics)
         ctx.options = options
         return layer_input, post_mix, comb_mix
 
     @staticmethod
     def backward(ctx, grad_layer_input, grad_post, grad_comb):
-        residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits = ctx.saved_tensors
+        residual, fn, scale, base, norm_weight, mixes, pre_mix, comb_logits, statistics = ctx.saved_tensors
         norm_eps, n, post_mult, _, sinkhorn_eps, repeat = ctx.options
         kernels = _kernels(mhc)
         grad_logits = kernels.sinkhorn_normalize_bwd(grad_comb.contiguous(), comb_logits, repeat, sinkhorn_eps)
@@ -351,7 +352,7 @@ class _MHCPreFunction(torch.autograd.Function):
         # The residual's two terms inside this layer: the norm-fn backward adds d_apply (bf16 already:
         # the pre-apply kernel rounds it) to its fp32 dx and rounds once, in its kernel.
         grad_residual, grad_fn, grad_norm_weight = _norm_fn_bwd(
-            grad_mixes, residual, fn, norm_weight, norm_eps, d_apply
+            grad_mixes, residual, fn, norm_weight, norm_eps, d_apply, statistics
         )
         grad_residual = grad_residual if ctx.needs_input_grad[0] else None
         return grad_residual, grad_fn, grad_scale, grad_base, grad_norm_weight, None
@@ -459,22 +460,22 @@ class _MHCHeadFunction(torch.autograd.Function):
         n = residual.shape[1]
         scale_1 = scale.reshape(1)
         kernels = _kernels(mhc)
-        mixes = kernels.mhc_pre_norm_fn(residual, fn[:n], norm_weight, norm_eps)
+        mixes, statistics = kernels.mhc_pre_norm_fn(residual, fn[:n], norm_weight, norm_eps, save_statistics=True)
         head_mix = kernels.mhc_head_compute_mix(mixes, scale_1, base, pre_eps)
-        ctx.save_for_backward(residual, fn, scale_1, base, norm_weight, mixes, head_mix)
+        ctx.save_for_backward(residual, fn, scale_1, base, norm_weight, mixes, head_mix, statistics)
         ctx.scale_shape = scale.shape
         ctx.norm_eps = norm_eps
         return kernels.mhc_pre_apply_mix(residual, head_mix)
 
     @staticmethod
     def backward(ctx, grad_output):
-        residual, fn, scale_1, base, norm_weight, mixes, head_mix = ctx.saved_tensors
+        residual, fn, scale_1, base, norm_weight, mixes, head_mix, statistics = ctx.saved_tensors
         n = residual.shape[1]
         kernels = _kernels(mhc)
         d_apply, grad_mix = kernels.mhc_pre_apply_mix_bwd(grad_output.contiguous(), residual, head_mix)
         grad_mixes, grad_scale, grad_base = kernels.mhc_head_compute_mix_bwd(grad_mix, mixes, scale_1, base)
         grad_residual, grad_rows, grad_norm_weight = _norm_fn_bwd(
-            grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps, d_apply
+            grad_mixes, residual, fn[:n], norm_weight, ctx.norm_eps, d_apply, statistics
         )
         grad_fn = grad_rows
         if fn.shape[0] != n:

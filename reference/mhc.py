@@ -74,6 +74,7 @@ __all__ = [
     "head_mix_backward_math",
     "norm_fn_forward_math",
     "norm_fn_backward_math",
+    "norm_fn_statistics_math",
 ]
 
 F32 = torch.float32
@@ -472,21 +473,31 @@ def mhc_head_compute_mix_bwd(
 # ---------------------------------------------------------------------------------------------
 
 
-def norm_fn_forward_math(x, fn, eps: float):
-    """``mixes [T, m] = (x @ fnᵀ) · rsqrt(Σx² / K + eps)``; x ``[T, K]`` flattened, fn ``[m, K]`` (γ folded)."""
-    width = x.shape[1]
+def norm_fn_statistics_math(x, fn):
+    """``[mul | sq]`` ``[T, m + 1]``: ``mul = x @ fnᵀ`` and ``sq = Σx²``, what the backward needs of the
+    forward besides x; x ``[T, K]`` flattened, fn ``[m, K]`` (γ folded)."""
     mul = einsum(x, fn, "t k, m k -> t m")
-    rstd = torch.rsqrt(reduce(x * x, "t k -> t 1", "sum") / width + eps)
+    return torch.cat([mul, reduce(x * x, "t k -> t 1", "sum")], dim=1)
+
+
+def norm_fn_forward_math(x, fn, eps: float, statistics=None):
+    """``mixes [T, m] = (x @ fnᵀ) · rsqrt(Σx² / K + eps)``; x ``[T, K]`` flattened, fn ``[m, K]`` (γ folded);
+    ``statistics`` (``norm_fn_statistics_math``) when already computed."""
+    width = x.shape[1]
+    statistics = norm_fn_statistics_math(x, fn) if statistics is None else statistics
+    mul, sq = statistics[:, :-1], statistics[:, -1:]
+    rstd = torch.rsqrt(sq / width + eps)
     return mul * rstd
 
 
-def norm_fn_backward_math(grad, x, fn, eps: float):
+def norm_fn_backward_math(grad, x, fn, eps: float, statistics=None):
     """``(dx [T, K], dfn [m, K])``: ``dmul = r·g``, ``dsq = −½(Σ_j g_j mul_j)·r / (sq + eps·K)``,
-    ``dx = fnᵀ dmul + 2·dsq·x``, ``dfn = Σ_t dmul ⊗ x``."""
+    ``dx = fnᵀ dmul + 2·dsq·x``, ``dfn = Σ_t dmul ⊗ x``; mul and sq from ``statistics`` when given (the
+    forward's, ``norm_fn_statistics_math``), else recomputed from x."""
     width = x.shape[1]
-    sq = reduce(x * x, "t k -> t 1", "sum")
+    statistics = norm_fn_statistics_math(x, fn) if statistics is None else statistics
+    mul, sq = statistics[:, :-1], statistics[:, -1:]
     rstd = torch.rsqrt(sq / width + eps)
-    mul = einsum(x, fn, "t k, m k -> t m")
     d_mul = grad * rstd
     d_sq = -0.5 * reduce(grad * mul, "t m -> t 1", "sum") * rstd / (sq + eps * width)
     d_x = einsum(d_mul, fn, "t m, m k -> t k") + 2 * d_sq * x
@@ -501,6 +512,13 @@ def check_grad_addend(grad_addend, tokens: int, n: int, hidden: int) -> None:
         check_shape("grad_addend", grad_addend, (tokens, n, hidden))
 
 
+def check_statistics(statistics, tokens: int, rows: int) -> None:
+    """``mhc_pre_norm_fn_bwd``'s optional ``statistics`` (both twins): None or fp32 ``[T, m + 1]``."""
+    if statistics is not None:
+        check_tensor("statistics", statistics, dtypes=(F32,), ndim=2)
+        check_shape("statistics", statistics, (tokens, rows + 1))
+
+
 def check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]:
     tokens, n, hidden = check_residual("residual", residual)
     check_tensor("mhc_fn", mhc_fn, dtypes=(F32,), ndim=2)
@@ -512,22 +530,32 @@ def check_norm_inputs(residual, mhc_fn, mhc_norm_weight) -> tuple[int, int, int]
 
 
 def mhc_pre_norm_fn(
-    residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None, mhc_norm_eps: float
-) -> torch.Tensor:
+    residual: torch.Tensor,
+    mhc_fn: torch.Tensor,
+    mhc_norm_weight: torch.Tensor | None,
+    mhc_norm_eps: float,
+    *,
+    save_statistics: bool = False,
+):
     """RMS-normalised projection of the flattened streams onto the mixes.
 
     Args:
         residual: bf16 ``[T, n, C]``. mhc_fn: fp32 ``[m, nC]`` (m = n² + 2n, or n for the head).
         mhc_norm_weight: fp32 ``[nC]`` or None, folded as ``fn ⊙ γ``. mhc_norm_eps: finite, >= 0.
+        save_statistics: also return the statistics the backward would otherwise recompute from the
+            streams (keyword only; ``mhc_pre_norm_fn_bwd(..., statistics=)``).
 
     Returns:
-        fp32 ``[T, m]`` contiguous, computed in full fp32 (see the module docstring on TF32).
+        mixes fp32 ``[T, m]`` contiguous, computed in full fp32 (see the module docstring on TF32); with
+        ``save_statistics``, ``(mixes, statistics)``, statistics fp32 ``[T, m + 1]`` = ``[x·(fn⊙γ)ᵀ | Σx²]``.
     """
     check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
-    return norm_fn_forward_math(x, fn, eps).contiguous()
+    statistics = norm_fn_statistics_math(x, fn)
+    mixes = norm_fn_forward_math(x, fn, eps, statistics).contiguous()
+    return (mixes, statistics.contiguous()) if save_statistics else mixes
 
 
 def mhc_pre_norm_fn_bwd(
@@ -538,6 +566,7 @@ def mhc_pre_norm_fn_bwd(
     mhc_norm_eps: float,
     *,
     grad_addend: torch.Tensor | None = None,
+    statistics: torch.Tensor | None = None,
 ):
     """Explicit backward of ``mhc_pre_norm_fn``.
 
@@ -545,6 +574,8 @@ def mhc_pre_norm_fn_bwd(
         grad_addend: optional bf16 ``[T, n, C]`` (keyword only), another gradient term of the same
             residual (``mhc_pre``'s pre-apply term): dresidual is then ``bf16(dx + grad_addend)``,
             one fp32 add and one rounding, instead of the fp32 dx.
+        statistics: optional fp32 ``[T, m + 1]`` (keyword only), the forward's ``save_statistics``
+            output: used instead of recomputing ``x·(fn⊙γ)ᵀ`` and ``Σx²`` from the streams.
 
     Returns:
         ``(dresidual fp32 [T, n, C] (bf16 with grad_addend), dfn fp32 [m, nC], dnorm_weight fp32 [nC]
@@ -556,9 +587,10 @@ def mhc_pre_norm_fn_bwd(
     check_shape("grad_output", grad_output, (tokens, mhc_fn.shape[0]))
     eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
     check_grad_addend(grad_addend, tokens, n, hidden)
+    check_statistics(statistics, tokens, mhc_fn.shape[0])
     fn = mhc_fn if mhc_norm_weight is None else mhc_fn * mhc_norm_weight
     x = rearrange(residual.to(F32), "t i c -> t (i c)")
-    d_x, d_fn_folded = norm_fn_backward_math(grad_output, x, fn, eps)
+    d_x, d_fn_folded = norm_fn_backward_math(grad_output, x, fn, eps, statistics)
     d_residual = rearrange(d_x, "t (i c) -> t i c", i=n).contiguous()
     if grad_addend is not None:
         d_residual = (d_residual + grad_addend.to(F32)).to(torch.bfloat16)

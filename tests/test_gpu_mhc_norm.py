@@ -207,6 +207,42 @@ def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad,
         assert (a is None and b is None) or torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
+@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad", [case for case in NORM_CASES if case[0] != 1])
+def test_saved_statistics_give_the_recomputing_results_bit_for_bit(tokens, hidden, pad, weighted, fn_pad):
+    """``save_statistics`` leaves the mixes' bits alone and returns ``[mul | Σx²]`` consistent with them;
+    the backward from those statistics (no pass over the streams for them) gives the recomputing
+    backward's bits, on the tensor-core and FFMA paths, with and without ``grad_addend``."""
+    generator = _generator("norm_fn_statistics", tokens, hidden, pad, weighted, fn_pad)
+    scale = oracle.inverse_sqrt_pow2(max(tokens, 1))
+    residual, fn, weight = _inputs(
+        tokens, hidden, pad, weighted, fn_pad, generator, fn_scale=2.0**-3, stream_scale=scale
+    )
+    grad = _padded(scale * torch.randn(tokens, M, generator=generator), pad, F32)
+    addend = (scale * torch.randn(tokens, N, hidden, generator=generator)).to(BF16).to(DEVICE)
+    optimized = _optimized()
+    if DEVICE != "cuda":
+        with compile_only():
+            optimized.mhc_pre_norm_fn(residual, fn, weight, EPS, save_statistics=True)
+            statistics = torch.zeros(tokens, M + 1, device=DEVICE)
+            optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, statistics=statistics)
+            optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, grad_addend=addend, statistics=statistics)
+        return
+    with poison_outputs():
+        mixes, statistics = optimized.mhc_pre_norm_fn(residual, fn, weight, EPS, save_statistics=True)
+        plain_mixes = optimized.mhc_pre_norm_fn(residual, fn, weight, EPS)
+    assert torch.equal(mixes.view(torch.int32), plain_mixes.view(torch.int32))
+    assert statistics.shape == (tokens, M + 1) and statistics.dtype == F32
+    mul, sq = statistics[:, :M].double(), statistics[:, M:].double()
+    consistent = mul * torch.rsqrt(sq / (N * hidden) + EPS)
+    assert torch.allclose(consistent, mixes.double(), rtol=1e-5, atol=1e-30)
+    for extra in ({}, {"grad_addend": addend}):
+        with poison_outputs():
+            recomputed = optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, **extra)
+            saved = optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, statistics=statistics, **extra)
+        for a, b in zip(saved, recomputed, strict=True):
+            assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("addend_kind", ["fp32", "shape"])
 def test_invalid_grad_addend_raises_the_reference_error(addend_kind):
     residual = torch.zeros(3, N, 64, dtype=BF16, device=DEVICE)
