@@ -166,6 +166,7 @@ class MhcParams:
     eps: float = 1e-6  # Sinkhorn eps, or the norm eps of norm-fn
     weight: bool = False  # norm-fn: with a norm weight γ
     addend: bool = False  # norm-fn backward: with grad_addend (the residual's other gradient term, bf16)
+    statistics: bool = False  # norm-fn: the forward's save_statistics, the backward's statistics
     post_mult: float = 2.0  # split: the post multiplier (2 in the paper and V4; [TK]'s default 1)
     pre_eps: float = 1e-6  # split / head: added to the pre weights ([TK]'s split test: 1e-2)
     n_splits: int = 0  # big fuse: the split-K factor passed through (no effect on the result)
@@ -193,6 +194,8 @@ def _label(name: str, p: MhcParams) -> str:
         label += f"/splits{p.n_splits}"
     if p.addend:
         label += "/addend"
+    if p.statistics:
+        label += "/stats"
     return label + ("/strided" if p.pad else "")
 
 
@@ -364,22 +367,36 @@ class PreNormFn(MhcOp):
             "GEMM over nC with fn read as TF32 (2^-11 per product, random signs): 5·(2^-11 + √nC·2^-24) of the terms' "
             "RSS (≤ 2.5·atol: fn scaled by 2^-⌈log2 √nC⌉), plus ½·nC·2^-24 from rsqrt of the positive Σx²",
         ),
+        Output(
+            "statistics",
+            RelativeError(NORM_FN_BOUND, atol=0.5),
+            "[x·(fn⊙γ)ᵀ | Σx²] (save_statistics): the mixes' GEMM error without the rsqrt; Σx², nC positive "
+            "terms in fp32, within nC·2^-24 ≤ 1.8e-3 of itself; an empty placeholder where not asked for",
+        ),
     )
 
     def variants(self, p, index):
+        # save_statistics on the tensor-core path (every third contiguous shape) and the FFMA path.
         if p.pad:  # a strided residual takes the FFMA kernels (tensor cores read x by TMA): with and without γ
-            return [replace(p, weight=True), replace(p, weight=False)]
-        return [replace(p, weight=index % 2 == 0)]
+            return [replace(p, weight=True), replace(p, weight=False, statistics=True)]
+        base = replace(p, weight=index % 2 == 0)
+        return [base, replace(base, statistics=True)] if index % 3 == 1 else [base]
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
         residual, fn, weight = _norm_fn_inputs(
             p, device, generator, fn_scale=inverse_sqrt_pow2(p.width), stream_scale=1.0, zero_token=True
         )
-        return self.with_edge_values(case, Call((residual, fn, weight, p.eps)), generator)
+        kwargs = {"save_statistics": True} if p.statistics else {}
+        return self.with_edge_values(case, Call((residual, fn, weight, p.eps), kwargs), generator)
+
+    def split(self, result):
+        # Without save_statistics the op returns the mixes alone: the statistics slot is empty.
+        return super().split((result, None) if isinstance(result, torch.Tensor) else result)
 
     def expected_layout(self, case):
-        return ((F32, (case.params.tokens, M)),)
+        p = case.params
+        return ((F32, (p.tokens, M)), (F32, (p.tokens, M + 1)) if p.statistics else None)
 
     def bytes_moved(self, case):
         p = case.params
@@ -388,7 +405,10 @@ class PreNormFn(MhcOp):
     def reference_float64(self, case, call):
         residual, fn, weight, eps = call.args
         x = rearrange(f64(residual), "t i c -> t (i c)")
-        return (reference.norm_fn_forward_math(x, _folded_fn64(fn, weight), eps),)
+        folded = _folded_fn64(fn, weight)
+        statistics = reference.norm_fn_statistics_math(x, folded)
+        mixes = reference.norm_fn_forward_math(x, folded, eps, statistics)
+        return mixes, statistics if case.params.statistics else torch.empty(0, dtype=F64, device=x.device)
 
     def extra_checks(self, case, call, outputs):
         # [mHC]'s reordering: RMS-normalising x first, then the GEMM, is the same math.
@@ -427,11 +447,20 @@ class PreNormFnBwd(MhcOp):
 
     def variants(self, p, index):
         # The residual's other gradient term (grad_addend) on the tensor-core path (every third
-        # contiguous shape) and on the FFMA path (the strided shapes, without γ).
+        # contiguous shape) and on the FFMA path (the strided shapes, without γ); the forward's
+        # statistics likewise (every third shape, another third; with the addend on the strided one).
         if p.pad:  # as PreNormFn's
-            return [replace(p, weight=True), replace(p, weight=False), replace(p, weight=False, addend=True)]
+            return [
+                replace(p, weight=True),
+                replace(p, weight=False),
+                replace(p, weight=False, addend=True, statistics=True),
+            ]
         base = replace(p, weight=index % 2 == 1)
-        return [base, replace(base, addend=True)] if index % 3 == 2 else [base]
+        if (p.tokens, p.hidden) == (8192, 7168):  # and the layers' own call at the benchmark shape
+            return [base, replace(base, addend=True, statistics=True)]
+        if index % 3 == 2:
+            return [base, replace(base, addend=True)]
+        return [base, replace(base, statistics=True)] if index % 3 == 1 else [base]
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
@@ -445,7 +474,15 @@ class PreNormFnBwd(MhcOp):
         if p.addend:
             shape = (p.tokens, N, p.hidden)
             kwargs["grad_addend"] = _tensor(shape, BF16, device, generator, lambda: normal(shape, generator, 2.0**-2))
-        return self.with_edge_values(case, Call((grad, residual, fn, weight, p.eps), kwargs), generator)
+        call = self.with_edge_values(case, Call((grad, residual, fn, weight, p.eps), kwargs), generator)
+        if p.statistics:
+            # The fp32 reference forward's, from the streams as the case ends up (edge values included).
+            call.kwargs["statistics"] = (
+                reference.mhc_pre_norm_fn(residual, fn, weight, p.eps, save_statistics=True)[1]
+                if generator is not None
+                else torch.empty((p.tokens, M + 1), dtype=F32, device=device)
+            )
+        return call
 
     def expected_layout(self, case):
         p = case.params
