@@ -938,6 +938,14 @@ def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     return ceil_div(steps, per_split), per_split
 
 
+def _no_partials(tokens: int, half: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_fn_finish_kernel``'s partial arguments when it reads saved statistics instead: empty,
+    with the token count the kernel binds T from."""
+    return torch.empty((0, tokens, 2 * half), dtype=F32, device=device), torch.empty(
+        (0, tokens), dtype=F32, device=device
+    )
+
+
 def _norm_fn_statistics_mma(
     residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None, statistics=None
 ) -> None:
@@ -965,37 +973,22 @@ def _norm_fn_statistics_mma(
     split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
     statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
     if saved and backward:
-        # No partials to read: empty ones of the right token count (the kernel binds T from them).
-        partial, partial_sq = (
-            torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
-            torch.empty((0, tokens), dtype=F32, device=device),
-        )
-        finish_kernel(
-            partial,
-            partial_sq,
-            flat_view(grad),
-            out.view(-1),
-            split_argument,
-            statistics_argument,
+        partial, partial_sq = _no_partials(tokens, half, device)
+    else:
+        # Scratch, not outputs: every element is written before it is read.
+        folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+        partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
+        partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
+        gamma = mhc_norm_weight if weighted else mhc_fn
+        split_kernel(
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            folded,
             features,
-            *grad_strides,
-            eps,
+            *mhc_fn.stride(),
+            mhc_norm_weight.stride(0) if weighted else 0,
         )
-        return
-    # Scratch, not outputs: every element is written before it is read.
-    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
-    partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
-    partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    split_kernel(
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        folded,
-        features,
-        *mhc_fn.stride(),
-        mhc_norm_weight.stride(0) if weighted else 0,
-    )
-    mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
+        mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
     finish_kernel(
         partial,
         partial_sq,
@@ -1200,8 +1193,7 @@ def mhc_pre_norm_fn_bwd(
         else:
             # dmul and 2·dsq from the saved statistics (no partials: empty ones carry T).
             stats(
-                torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
-                torch.empty((0, tokens), dtype=F32, device=device),
+                *_no_partials(tokens, half, device),
                 flat_view(grad_output),
                 coef.view(-1),
                 device_constant(BF16, device),
