@@ -597,6 +597,9 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
                 else:
                     tile[column, j] = high
                     tile[column, slots + j] = low
+            # Each writing thread's proxy fence, before the barrier that hands the tile to the TMA
+            # store (TileLang's own fence runs in the storing thread alone, after the barrier).
+            T.fence_proxy_async()
             if stacked:
                 T.copy(tile, out[0, first])
             else:
@@ -611,6 +614,22 @@ MMA_PASS_CONFIGS = {
     tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: False,
     tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: False,
 }
+
+
+@T.macro
+def release_after_thread_reads(stage, sink):
+    """End a pipelined loop body whose threads read ``stage`` (a TMA-filled shared buffer) with plain
+    loads: a proxy fence, then a dead read of ``stage`` that TileLang's warp specialization takes as
+    the buffer's last use, so the barrier arrival that hands ``stage`` back to the TMA producer comes
+    after the fence. Without it the arrival issues while the loads are still in flight (ptxas waits
+    for them only where their registers are used, after it), and the TMA load of the tile two steps
+    on can overwrite the buffer under them: generic-proxy reads are not ordered before async-proxy
+    writes by the barrier alone. Seen on the H200 as nondeterministic 16-byte groups of dx in the
+    norm-fn backward with 4 and 8 mixes. The fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads;
+    nvcc drops the dead read."""
+    T.fence_proxy_async()
+    sink[0] = stage[0, 0]
+
 
 
 @jit(pass_configs=MMA_PASS_CONFIGS)
@@ -637,6 +656,7 @@ def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_S
             products = T.alloc_fragment((MMA_TOKENS, columns), "float32")
             squares = T.alloc_fragment((MMA_TOKENS, depth), "float32")
             row_squares = T.alloc_fragment((MMA_TOKENS,), "float32")
+            sink = T.alloc_local((1,), "bfloat16")
             T.clear(products)
             T.clear(squares)
             first_step = split * steps_per_split
@@ -650,6 +670,7 @@ def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_S
                     squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
                         x_shared[i, k], "float32"
                     )
+                release_after_thread_reads(x_shared, sink)
             T.reduce_sum(squares, row_squares, dim=1)
             T.copy(products, partial[split, tile * MMA_TOKENS, 0])
             for i in T.Parallel(MMA_TOKENS):
@@ -670,7 +691,7 @@ def norm_fn_finish_kernel(
     from_statistics: bool = False,
 ):
     """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
-    in order), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
+    in order; the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
     ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
     ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
     zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``.
@@ -725,7 +746,9 @@ def norm_fn_finish_kernel(
                             low[j] = low[j] + partial[s, token, half + j]
                         sq[0] = sq[0] + partial_sq[s, token]
                     for j in T.unroll(rows):
-                        mul[j] = mul[j] + low[j]
+                        # lo corrects a finite hi; an infinite hi (an infinite x) is the product, as in
+                        # fp32, where lo would add inf·0 or the other infinity from the split of fn (NaN).
+                        mul[j] = T.if_then_else(T.abs(mul[j]) <= T.float32(FLOAT32_MAX), mul[j] + low[j], mul[j])
                     if save_statistics:
                         for j in T.unroll(rows):
                             statistics[stat_base + j] = mul[j]
@@ -810,6 +833,7 @@ def norm_fn_grad_mma_kernel(
             dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
             dx = T.alloc_fragment((MMA_TOKENS, block_features), "float32")
             dfn = T.alloc_fragment((block_features, 2 * slots), "float32")
+            sink = T.alloc_local((1,), "bfloat16")
             if accumulate:
                 dx_out = T.alloc_fragment((MMA_TOKENS, block_features), out_dtype)
             if staged_store:
@@ -835,6 +859,7 @@ def norm_fn_grad_mma_kernel(
                 T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
                 for i, k in T.Parallel(MMA_TOKENS, block_features):
                     dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
+                release_after_thread_reads(x_shared, sink)
                 if accumulate:
                     # The tail's clamped reads are of elements whose stores are dropped.
                     for i, k in T.Parallel(MMA_TOKENS, block_features):

@@ -613,10 +613,11 @@ def check_case(
     for index, (output, actual, expected) in enumerate(zip(op.outputs, first, reference, strict=True)):
         exact = expected64[index] if expected64 is not None and isinstance(output.policy, RelativeError) else None
         checks.append(compare(output.name, actual, expected, output.policy, expected64=exact))
-    identical = all(same_bytes(a, b) for a, b in zip(first, second, strict=True))
-    checks.append(
-        Check("determinism", PASS if identical else FAIL, "bitwise", "2 runs", "" if identical else "runs differ")
-    )
+    differing = [
+        output.name for output, a, b in zip(op.outputs, first, second, strict=True) if not same_bytes(a, b)
+    ]
+    detail = f"runs differ: {', '.join(differing)}" if differing else ""
+    checks.append(Check("determinism", FAIL if differing else PASS, "bitwise", "2 runs", detail))
     untouched = all(torch.equal(b, _storage_snapshot(t)) for b, t in zip(before, call.tensors(), strict=True))
     checks.append(
         Check("inputs untouched", PASS if untouched else FAIL, "bitwise", "", "" if untouched else "input written")
