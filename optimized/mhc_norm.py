@@ -631,7 +631,6 @@ def release_after_thread_reads(stage, sink):
     sink[0] = stage[0, 0]
 
 
-
 @jit(pass_configs=MMA_PASS_CONFIGS)
 def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_STAGES):
     """Grid (token tiles, feature splits): ``partial[s, t, :] = Σ_{k in split s} x[t, k]·folded[k, :]``
@@ -691,7 +690,8 @@ def norm_fn_finish_kernel(
     from_statistics: bool = False,
 ):
     """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
-    in order; the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then ``norm_fn_kernel``'s epilogue: forward
+    in order; the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then
+    ``norm_fn_kernel``'s epilogue: forward
     ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
     ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
     zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``.

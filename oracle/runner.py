@@ -613,9 +613,7 @@ def check_case(
     for index, (output, actual, expected) in enumerate(zip(op.outputs, first, reference, strict=True)):
         exact = expected64[index] if expected64 is not None and isinstance(output.policy, RelativeError) else None
         checks.append(compare(output.name, actual, expected, output.policy, expected64=exact))
-    differing = [
-        output.name for output, a, b in zip(op.outputs, first, second, strict=True) if not same_bytes(a, b)
-    ]
+    differing = [output.name for output, a, b in zip(op.outputs, first, second, strict=True) if not same_bytes(a, b)]
     detail = f"runs differ: {', '.join(differing)}" if differing else ""
     checks.append(Check("determinism", FAIL if differing else PASS, "bitwise", "2 runs", detail))
     untouched = all(torch.equal(b, _storage_snapshot(t)) for b, t in zip(before, call.tensors(), strict=True))
