@@ -372,3 +372,43 @@ def test_device_constants_are_made_once_and_refused_inside_a_capture(monkeypatch
     with pytest.raises(RuntimeError, match="inside a CUDA-graph capture"):
         jit.device_constant(torch.float32, torch.device("cuda", 0), value=2.5)
     assert jit.device_constant(torch.int64, "cpu") is zeros  # CPU tensors are never captured
+
+
+def _norm_fn_pipelined_kernels():
+    from tileproof.optimized import mhc_norm
+
+    # The head's 4 mixes (where the H200 showed the race) and the layers' 24, each schedule in use.
+    return {
+        "grad m4": lambda: mhc_norm.norm_fn_grad_mma_kernel(16, 4, **mhc_norm.GRAD_MMA_SCHEDULE),
+        "grad m24 addend": lambda: mhc_norm.norm_fn_grad_mma_kernel(
+            32, 24, **mhc_norm.GRAD_MMA_SCHEDULE, accumulate=True
+        ),
+        "statistics m4": lambda: mhc_norm.norm_fn_mma_kernel(16, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
+        "statistics m24": lambda: mhc_norm.norm_fn_mma_kernel(48, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
+    }
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(_norm_fn_pipelined_kernels()))
+def test_pipelined_x_tiles_go_back_to_the_tma_producer_after_a_proxy_fence(name):
+    """The norm-fn kernels' threads read the TMA-filled x tile with plain loads; the barrier arrival
+    that hands the tile back to the producer must come after every such load and after a proxy fence
+    (``release_after_thread_reads``: without it the H200 gave nondeterministic dx). This checks the
+    order in the generated CUDA, so that a TileLang that places the arrival differently fails here."""
+    source = _norm_fn_pipelined_kernels()[name]().kernel.get_kernel_source()
+    lines = [line.strip() for line in source.splitlines()]
+    fenced = [
+        index
+        for index, line in enumerate(lines[:-2])
+        if line == "tl::fence_proxy_async();" and lines[index + 1].startswith("sink[0] = ((bfloat16_t*)x_shared)")
+    ]
+    assert len(fenced) == 1, f"{name}: no proxy fence followed by the dead read of x_shared"
+    fence = fenced[0]
+    assert lines[fence + 2].startswith("mbarrier[") and lines[fence + 2].endswith("].arrive();"), lines[fence + 2]
+    plain_reads = [
+        index
+        for index, line in enumerate(lines)
+        if "= *(uint1*)(((bfloat16_t*)x_shared)" in line
+        or ("((bfloat16_t*)x_shared)[" in line and not line.startswith("sink[0]"))
+    ]
+    assert plain_reads and max(plain_reads) < fence, f"{name}: a plain read of x_shared after the fence"
