@@ -181,18 +181,25 @@ def test_head_norm_fn_matches_reference(tokens, hidden):
     _check(oracle.PreNormFnBwd, names, outputs, expected64, expected)
 
 
-@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad", [case for case in NORM_CASES if case[0] != 1])
-def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad, weighted, fn_pad):
-    """With ``grad_addend`` the residual's gradient is bf16(dx + addend) of the plain call's fp32 dx,
-    bit for bit (the add and the rounding in the kernel's epilogue, tensor-core and FFMA paths alike);
-    dfn and dγ do not change."""
-    generator = _generator("norm_fn_bwd_addend", tokens, hidden, pad, weighted, fn_pad)
+def _backward_inputs(label, tokens, hidden, pad, weighted, fn_pad):
+    """``(grad, residual, fn, weight, addend)`` of a backward case, seeded by ``label`` and the shape:
+    the streams and gradients scaled by 2^-⌈log2 √T⌉, fn by 2^-3, the addend a bf16 ``[T, n, C]``."""
+    generator = _generator(label, tokens, hidden, pad, weighted, fn_pad)
     scale = oracle.inverse_sqrt_pow2(max(tokens, 1))
     residual, fn, weight = _inputs(
         tokens, hidden, pad, weighted, fn_pad, generator, fn_scale=2.0**-3, stream_scale=scale
     )
     grad = _padded(scale * torch.randn(tokens, M, generator=generator), pad, F32)
     addend = (scale * torch.randn(tokens, N, hidden, generator=generator)).to(BF16).to(DEVICE)
+    return grad, residual, fn, weight, addend
+
+
+@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad", [case for case in NORM_CASES if case[0] != 1])
+def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad, weighted, fn_pad):
+    """With ``grad_addend`` the residual's gradient is bf16(dx + addend) of the plain call's fp32 dx,
+    bit for bit (the add and the rounding in the kernel's epilogue, tensor-core and FFMA paths alike);
+    dfn and dγ do not change."""
+    grad, residual, fn, weight, addend = _backward_inputs("norm_fn_bwd_addend", tokens, hidden, pad, weighted, fn_pad)
     if DEVICE != "cuda":
         with compile_only():
             _optimized().mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, grad_addend=addend)
@@ -212,13 +219,7 @@ def test_saved_statistics_give_the_recomputing_results_bit_for_bit(tokens, hidde
     """``save_statistics`` leaves the mixes' bits alone and returns ``[mul | Σx²]`` consistent with them;
     the backward from those statistics (no pass over the streams for them) gives the recomputing
     backward's bits, on the tensor-core and FFMA paths, with and without ``grad_addend``."""
-    generator = _generator("norm_fn_statistics", tokens, hidden, pad, weighted, fn_pad)
-    scale = oracle.inverse_sqrt_pow2(max(tokens, 1))
-    residual, fn, weight = _inputs(
-        tokens, hidden, pad, weighted, fn_pad, generator, fn_scale=2.0**-3, stream_scale=scale
-    )
-    grad = _padded(scale * torch.randn(tokens, M, generator=generator), pad, F32)
-    addend = (scale * torch.randn(tokens, N, hidden, generator=generator)).to(BF16).to(DEVICE)
+    grad, residual, fn, weight, addend = _backward_inputs("norm_fn_statistics", tokens, hidden, pad, weighted, fn_pad)
     optimized = _optimized()
     if DEVICE != "cuda":
         with compile_only():
