@@ -11,8 +11,11 @@ Cases. Stream ops (those with a hidden size C): ``quick`` has T ∈ {0, 1, 37, 5
 C ∈ {64, 128, 1280, 7168}; ``full`` has every T ∈ {0, 1, 4001, 8192} with every C ∈ {1280, 2560, 4096,
 7168} (the [TK] test sizes; 7168 is V4-Pro's), plus a strided case. Token ops (split, Sinkhorn,
 head) have the same token counts. Sinkhorn runs every shape with repeat 10 ([TK]'s default) and 20
-(DeepSeek's models). Named benchmarks (``full``): ``mhc_post`` forward and backward at T 8192,
-C 7168, and Sinkhorn forward and backward at n 4, repeat 20, 65536 tokens (issue 7's acceptance list).
+(DeepSeek's models). The norm-fn runs m = 24 mixes (the layers'), and m = n = 4 (``mhc_head``'s: its
+tensor-core kernels are other configurations) with the forward's saved statistics, and in the
+backward the addend, at the contiguous tail shapes (T 4001; quick T 3). Named benchmarks
+(``full``): ``mhc_post`` forward and backward at T 8192, C 7168, and Sinkhorn forward and backward
+at n 4, repeat 20, 65536 tokens (issue 7's acceptance list).
 
 Inputs are seeded, generated on the CPU, then moved. A strided input is a view of a buffer whose rows
 are longer, the padding NaN (a kernel reading past a row's end shows in its outputs); the head's
@@ -172,10 +175,16 @@ class MhcParams:
     n_splits: int = 0  # big fuse: the split-K factor passed through (no effect on the result)
     layers: int = 0  # multilayer recompute: L, the layers replayed
     posts: int = 0  # multilayer recompute: P ∈ {L − 1, L}, the layers whose post is replayed
+    mixes: int = 0  # norm-fn: the rows of fn when not M (N: mhc_head's norm-fn, fn's first n rows)
 
     @property
     def width(self) -> int:
         return N * self.hidden  # nC, the flattened stream
+
+    @property
+    def rows(self) -> int:
+        """The norm-fn's m: the mixes per token."""
+        return self.mixes or M
 
 
 def _label(name: str, p: MhcParams) -> str:
@@ -188,6 +197,8 @@ def _label(name: str, p: MhcParams) -> str:
         label += f"/L{p.layers}/P{p.posts}"
     if name.startswith(("mhc_pre_norm_fn", "mhc_pre_big_fuse")):
         label += ("/gamma" if p.weight else "/nogamma") + f"/eps{p.eps:g}"
+    if p.mixes:
+        label += f"/m{p.mixes}"
     if name.startswith(("mhc_pre_split_mixes", "mhc_pre_big_fuse")):
         label += f"/post{p.post_mult:g}/pre_eps{p.pre_eps:g}"
     if p.n_splits:
@@ -347,7 +358,7 @@ class ExpandToMhcBwd(MhcOp):
 
 def _norm_fn_inputs(p: MhcParams, device, generator, *, fn_scale: float, stream_scale: float, zero_token: bool):
     residual = _streams(p, device, generator, stream_scale, zero_token=zero_token)
-    fn = _tensor((M, p.width), F32, device, generator, lambda: normal((M, p.width), generator, fn_scale))
+    fn = _tensor((p.rows, p.width), F32, device, generator, lambda: normal((p.rows, p.width), generator, fn_scale))
     weight = None
     if p.weight:
         weight = _tensor((p.width,), F32, device, generator, lambda: uniform((p.width,), generator, 0.9, 1.1))
@@ -356,6 +367,14 @@ def _norm_fn_inputs(p: MhcParams, device, generator, *, fn_scale: float, stream_
 
 def _folded_fn64(fn: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
     return f64(fn) if weight is None else f64(fn) * f64(weight)
+
+
+def _head_variants(p: MhcParams) -> list[MhcParams]:
+    """mhc_head's norm-fn, m = n (fn's first n rows; its tensor-core kernels are other
+    configurations than the layers' m = 24), with the forward's statistics as mhc_head saves them:
+    on the contiguous shapes with a tail tile of tokens (T 4001 full, T 3 quick), where the H200
+    once showed its dx racing."""
+    return [replace(p, mixes=N)] if p.tokens in (3, 4001) and not p.pad else []
 
 
 class PreNormFn(MhcOp):
@@ -380,7 +399,8 @@ class PreNormFn(MhcOp):
         if p.pad:  # a strided residual takes the FFMA kernels (tensor cores read x by TMA): with and without γ
             return [replace(p, weight=True), replace(p, weight=False, statistics=True)]
         base = replace(p, weight=index % 2 == 0)
-        return [base, replace(base, statistics=True)] if index % 3 == 1 else [base]
+        plain = [base, replace(base, statistics=True)] if index % 3 == 1 else [base]
+        return plain + [replace(head, statistics=True) for head in _head_variants(base)]
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
@@ -396,11 +416,15 @@ class PreNormFn(MhcOp):
 
     def expected_layout(self, case):
         p = case.params
-        return ((F32, (p.tokens, M)), (F32, (p.tokens, M + 1)) if p.statistics else None)
+        return ((F32, (p.tokens, p.rows)), (F32, (p.tokens, p.rows + 1)) if p.statistics else None)
 
     def bytes_moved(self, case):
         p = case.params
-        return p.tokens * p.width * 2 + M * p.width * 4 + (p.width * 4 if p.weight else 0) + p.tokens * M * 4
+        m = p.rows
+        return p.tokens * p.width * 2 + m * p.width * 4 + (p.width * 4 if p.weight else 0) + p.tokens * m * 4
+
+    def edge_base_ok(self, case):
+        return super().edge_base_ok(case) and not case.params.mixes  # the edge bases keep the layers' m
 
     def reference_float64(self, case, call):
         residual, fn, weight, eps = call.args
@@ -458,9 +482,11 @@ class PreNormFnBwd(MhcOp):
         base = replace(p, weight=index % 2 == 1)
         if (p.tokens, p.hidden) == (8192, 7168):  # and the layers' own call at the benchmark shape
             return [base, replace(base, addend=True, statistics=True)]
+        # and mhc_head's own call: its n mixes, the addend and the forward's statistics
+        head = [replace(h, addend=True, statistics=True) for h in _head_variants(base)]
         if index % 3 == 2:
-            return [base, replace(base, addend=True)]
-        return [base, replace(base, statistics=True)] if index % 3 == 1 else [base]
+            return [base, replace(base, addend=True), *head]
+        return [base, replace(base, statistics=True), *head] if index % 3 == 1 else [base, *head]
 
     def build(self, case, device, generator):
         p: MhcParams = case.params
@@ -469,7 +495,7 @@ class PreNormFnBwd(MhcOp):
         residual, fn, weight = _norm_fn_inputs(
             p, device, generator, fn_scale=2.0**-3, stream_scale=scale, zero_token=False
         )
-        grad = _tensor((p.tokens, M), F32, device, generator, lambda: normal((p.tokens, M), generator, scale))
+        grad = _tensor((p.tokens, p.rows), F32, device, generator, lambda: normal((p.tokens, p.rows), generator, scale))
         kwargs = {}
         if p.addend:
             shape = (p.tokens, N, p.hidden)
@@ -480,20 +506,21 @@ class PreNormFnBwd(MhcOp):
             call.kwargs["statistics"] = (
                 reference.mhc_pre_norm_fn(residual, fn, weight, p.eps, save_statistics=True)[1]
                 if generator is not None
-                else torch.empty((p.tokens, M + 1), dtype=F32, device=device)
+                else torch.empty((p.tokens, p.rows + 1), dtype=F32, device=device)
             )
         return call
 
     def expected_layout(self, case):
         p = case.params
         weight = (F32, (p.width,)) if p.weight else None
-        return ((BF16 if p.addend else F32, (p.tokens, N, p.hidden)), (F32, (M, p.width)), weight)
+        return ((BF16 if p.addend else F32, (p.tokens, N, p.hidden)), (F32, (p.rows, p.width)), weight)
 
     def bytes_moved(self, case):
         p = case.params
         weight = p.width * 4 * 2 if p.weight else 0  # read γ, write its gradient
         residual = 2 + 2 + 2 if p.addend else 2 + 4  # read x (and the addend), write dresidual
-        return p.tokens * M * 4 + p.tokens * p.width * residual + M * p.width * 4 * 2 + weight
+        m = p.rows
+        return p.tokens * m * 4 + p.tokens * p.width * residual + m * p.width * 4 * 2 + weight
 
     def reference_float64(self, case, call):
         d_residual, *rest = self._float64(call)
