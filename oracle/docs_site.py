@@ -12,6 +12,7 @@ mkdocs, so they are tested on the CPU (tests/test_docs_site.py).
 
 from __future__ import annotations
 
+import gzip
 import json
 import posixpath
 import re
@@ -225,11 +226,38 @@ def operators_page(docs_dir: Path, ops: Mapping[str, OpSpec] | None = None) -> s
 # --- the Latest H200 results page ---------------------------------------------------------------
 
 
+# Large JSON reports are committed gzipped (``NAME.json.gz``, the tool's bytes inside): the GPU runs
+# carry the working tree, whose size is limited. Both forms are read alike.
+GZIPPED_JSON = ".json.gz"
+
+
+def _stem_and_kind(path: Path) -> tuple[str, str]:
+    """A results file's report stem and kind: ``("a", ".json.gz")`` for ``a.json.gz``, else (stem, suffix)."""
+    if path.name.endswith(GZIPPED_JSON):
+        return path.name[: -len(GZIPPED_JSON)], GZIPPED_JSON
+    return path.stem, path.suffix
+
+
+def _report_json(results_dir: Path, stem: str) -> Path:
+    """The JSON file of report ``stem``: ``stem.json``, or ``stem.json.gz`` when only that exists."""
+    plain = Path(results_dir) / f"{stem}.json"
+    gzipped = Path(results_dir) / f"{stem}{GZIPPED_JSON}"
+    return gzipped if gzipped.exists() and not plain.exists() else plain
+
+
+def _load_json(path: Path):
+    """A JSON file's data, gunzipped first for ``.json.gz``; OSError / ValueError when unreadable."""
+    if path.name.endswith(GZIPPED_JSON):
+        with gzip.open(path, "rt", encoding="utf-8") as stream:
+            return json.load(stream)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def _environment(report_json: Path) -> tuple[dict, dict]:
     """The (environment, summary) a JSON report recorded; empty for a file that is not one."""
     try:
-        data = json.loads(report_json.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = _load_json(report_json)
+    except (OSError, ValueError, EOFError):
         return {}, {}
     if not isinstance(data, dict):
         return {}, {}
@@ -266,12 +294,13 @@ def report_rows(results_dir: Path) -> list[dict[str, str]]:
     by_stem: dict[str, list[Path]] = {}
     for path in sorted(results_dir.iterdir()):
         if path.is_file() and not path.name.startswith("."):
-            by_stem.setdefault(path.stem, []).append(path)
+            by_stem.setdefault(_stem_and_kind(path)[0], []).append(path)
     rows = []
     for stem, paths in by_stem.items():
-        suffixes = {path.suffix: path for path in paths}
-        environment, summary = _environment(suffixes[".json"]) if ".json" in suffixes else ({}, {})
-        main = suffixes.get(".md") or suffixes.get(".json") or paths[0]
+        kinds = {_stem_and_kind(path)[1]: path for path in paths}
+        report_json = kinds.get(".json") or kinds.get(GZIPPED_JSON)
+        environment, summary = _environment(report_json) if report_json else ({}, {})
+        main = kinds.get(".md") or report_json or paths[0]
         rows.append(
             {
                 "report": f"[{stem}]({main.name})",
@@ -280,7 +309,7 @@ def report_rows(results_dir: Path) -> list[dict[str, str]]:
                 "profile": environment.get("profile") or "—",
                 "gpu": environment.get("gpu") or "—",
                 "outcome": _outcome(summary),
-                "files": ", ".join(f"[{path.suffix.lstrip('.')}]({path.name})" for path in paths),
+                "files": ", ".join(f"[{_stem_and_kind(path)[1].lstrip('.')}]({path.name})" for path in paths),
             }
         )
     dated = sorted((row for row in rows if row["date"]), key=lambda row: row["date"], reverse=True)
@@ -293,7 +322,7 @@ def results_page(results_dir: Path, latest: str = LATEST_REPORT) -> str:
     latest_markdown = results_dir / f"{latest}.md"
     if not latest_markdown.exists():
         raise FileNotFoundError(f"the latest report {latest_markdown} is missing: the results page embeds it")
-    environment, _ = _environment(results_dir / f"{latest}.json")
+    environment, _ = _environment(_report_json(results_dir, latest))
     measured = ", ".join(
         part
         for part in (
@@ -342,10 +371,11 @@ def determinism_rows(results_dir: Path, ops: Mapping[str, OpSpec] | None = None)
     check (else the newest that ran the run check), and that report's pass counts of both checks."""
     ops = all_ops() if ops is None else ops
     newest: dict[str, tuple[str, str, dict[str, list[int]]]] = {}  # op -> (date, stem, check -> [pass, cases])
-    for report_json in sorted(Path(results_dir).glob("*.json")):
+    reports = sorted([*Path(results_dir).glob("*.json"), *Path(results_dir).glob(f"*{GZIPPED_JSON}")])
+    for report_json in reports:
         try:
-            data = json.loads(report_json.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = _load_json(report_json)
+        except (OSError, ValueError, EOFError):
             continue
         if not isinstance(data, dict) or "environment" not in data or not isinstance(data.get("cases"), list):
             continue
@@ -361,14 +391,14 @@ def determinism_rows(results_dir: Path, ops: Mapping[str, OpSpec] | None = None)
             rank = (GRID_CHECK in checks, date)
             held = newest.get(op)
             if held is None or rank > (GRID_CHECK in held[2], held[0]):
-                newest[op] = (date, report_json.stem, checks)
+                newest[op] = (date, _stem_and_kind(report_json)[0], checks)
     rows = []
     for name in ops:
         if name not in newest:
             rows.append({"operator": f"`{name}`", "runs": "not yet run", "grid": "not yet run", "report": "—"})
             continue
         date, stem, checks = newest[name]
-        environment, _ = _environment(Path(results_dir) / f"{stem}.json")
+        environment, _ = _environment(_report_json(results_dir, stem))
 
         def tally(check: str, checks=checks) -> str:
             if check not in checks:

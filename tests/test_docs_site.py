@@ -4,6 +4,7 @@ link rewriting the mkdocs hook applies. Only the full site build needs mkdocs; i
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import subprocess
@@ -78,12 +79,16 @@ def test_the_results_page_embeds_the_benchmark_report():
 
 def test_the_results_page_lists_every_committed_report_with_its_revision_and_date():
     listing = docs_site.results_page(RESULTS).split("\n## Every committed report")[1]
-    for report_json in sorted(RESULTS.glob("*.json")):
-        data = json.loads(report_json.read_text())
+    reports = sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*.json.gz")])
+    assert any(report.name.endswith(".json.gz") for report in reports)  # the large ones are gzipped
+    for report_json in reports:
+        gzipped = report_json.name.endswith(".json.gz")
+        data = json.loads(gzip.decompress(report_json.read_bytes()) if gzipped else report_json.read_text())
         if "environment" not in data:
             continue  # not an oracle report (the pytest-benchmark run its report links)
         environment = data["environment"]
-        (row,) = [row for row in _table_rows(listing) if row[0].startswith(f"[{report_json.stem}]")]
+        stem = report_json.name.removesuffix(".gz").removesuffix(".json")
+        (row,) = [row for row in _table_rows(listing) if row[0].startswith(f"[{stem}]")]
         assert row[1] == environment["date_utc"] and environment["git_revision"][:7] in row[2]
 
 
@@ -94,13 +99,26 @@ def test_reports_are_listed_newest_first_with_their_outcome(tmp_path):
 
     write("older", "2026-01-01T00:00:00Z", {"cases": 3, "pass": 2, "fail": 1})
     write("newer", "2026-02-01T00:00:00Z", {"killed": 4, "run": 4, "skipped": 1})
+    write("zipped", "2026-01-15T00:00:00Z", {"cases": 5, "pass": 5})
+    zipped = tmp_path / "zipped.json"
+    (tmp_path / "zipped.json.gz").write_bytes(gzip.compress(zipped.read_bytes()))
+    zipped.unlink()
     (tmp_path / "newer.md").write_text("# report\n")
+    (tmp_path / "zipped.md").write_text("# report\n")
     (tmp_path / "gpu.log").write_text("log\n")
     rows = docs_site.report_rows(tmp_path)
-    assert [row["report"] for row in rows] == ["[newer](newer.md)", "[older](older.json)", "[gpu](gpu.log)"]
-    assert rows[0]["outcome"] == "4 of 4 planted bugs caught (1 skipped)"
-    assert rows[1]["outcome"] == "2 of 3 cases pass, 1 fail"
-    assert rows[1]["revision"] == "`0123456`"
+    assert [row["report"] for row in rows] == [
+        "[newer](newer.md)",
+        "[zipped](zipped.md)",
+        "[older](older.json)",
+        "[gpu](gpu.log)",
+    ]
+    newer, zipped, older, _ = rows
+    assert newer["outcome"] == "4 of 4 planted bugs caught (1 skipped)"
+    assert zipped["outcome"] == "5 of 5 cases pass"
+    assert zipped["files"] == "[json.gz](zipped.json.gz), [md](zipped.md)"
+    assert older["outcome"] == "2 of 3 cases pass, 1 fail"
+    assert older["revision"] == "`0123456`"
     with pytest.raises(FileNotFoundError, match="embeds it"):
         docs_site.results_page(tmp_path, latest="missing")
 
