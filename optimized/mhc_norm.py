@@ -963,11 +963,27 @@ def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     return ceil_div(steps, per_split), per_split
 
 
-def _no_partials(tokens: int, half: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``norm_fn_finish_kernel``'s partial arguments when it reads saved statistics instead: empty,
-    with the token count the kernel binds T from."""
-    return torch.empty((0, tokens, 2 * half), dtype=F32, device=device), torch.empty(
-        (0, tokens), dtype=F32, device=device
+def _backward_from_statistics(grad, out, statistics, features: int, eps: float, dsplit=None) -> None:
+    """The backward's ``out = [dmul | 2·dsq]`` (and, with ``dsplit``, the tensor-core path's dmul split)
+    from the forward's saved statistics: one launch of the per-token epilogue, no pass over the streams.
+    Its partial arguments are empty, with the token count the kernel binds T from."""
+    tokens, rows = grad.shape
+    half = 8 * ceil_div(rows, 8)
+    slots = 0 if dsplit is None else dsplit.shape[1] // 3
+    finish_kernel = norm_fn_finish_kernel(rows, half, True, slots, FINISH_SCHEDULE["threads"], False, True)
+    if compiling_only():
+        return
+    device = grad.device
+    finish_kernel(
+        torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
+        torch.empty((0, tokens), dtype=F32, device=device),
+        flat_view(grad),
+        out.view(-1),
+        device_constant(BF16, device) if dsplit is None else dsplit.view(-1),
+        statistics.view(-1),
+        features,
+        *grad.stride(),
+        eps,
     )
 
 
@@ -977,9 +993,12 @@ def _norm_fn_statistics_mma(
     """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``) by the
     tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue). With
     ``statistics`` ``[T, m + 1]``: the forward writes them too; the backward reads them instead of
-    running the GEMM (one launch)."""
+    running the GEMM (``_backward_from_statistics``, one launch)."""
     tokens, n, hidden = residual.shape
     features = n * hidden
+    if backward and statistics is not None:
+        _backward_from_statistics(grad, out, statistics, features, eps, dsplit)
+        return
     rows = mhc_fn.shape[0]
     half = 8 * ceil_div(rows, 8)  # wgmma's N comes in multiples of 8
     weighted = mhc_norm_weight is not None
@@ -987,33 +1006,28 @@ def _norm_fn_statistics_mma(
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
     mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"])
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    saved = statistics is not None
-    finish_kernel = norm_fn_finish_kernel(
-        rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved and not backward, saved and backward
-    )
+    saved = statistics is not None  # (the forward's: it writes them)
+    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved, False)
     if compiling_only():
         return
     device = residual.device
     grad_strides = grad.stride() if backward else (0, 0)
     split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
     statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
-    if saved and backward:
-        partial, partial_sq = _no_partials(tokens, half, device)
-    else:
-        # Scratch, not outputs: every element is written before it is read.
-        folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
-        partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
-        partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
-        gamma = mhc_norm_weight if weighted else mhc_fn
-        split_kernel(
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            folded,
-            features,
-            *mhc_fn.stride(),
-            mhc_norm_weight.stride(0) if weighted else 0,
-        )
-        mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
+    # Scratch, not outputs: every element is written before it is read.
+    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+    partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
+    partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    split_kernel(
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        folded,
+        features,
+        *mhc_fn.stride(),
+        mhc_norm_weight.stride(0) if weighted else 0,
+    )
+    mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
     finish_kernel(
         partial,
         partial_sq,
@@ -1192,11 +1206,10 @@ def mhc_pre_norm_fn_bwd(
     else:
         split_tokens = _split_tokens(tokens, hidden, n)
         splits = ceil_div(tokens, split_tokens)
-        half = 8 * ceil_div(rows, 8)
-        if statistics is None:
-            stats = norm_fn_kernel(n, rows, vector, weighted, True)
+        if statistics is not None:
+            _backward_from_statistics(grad_output, coef, statistics, features, eps)
         else:
-            stats = norm_fn_finish_kernel(rows, half, True, 0, FINISH_SCHEDULE["threads"], False, True)
+            stats = norm_fn_kernel(n, rows, vector, weighted, True)
         grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
         if compiling_only():
             return d_residual, d_fn, d_weight
@@ -1212,18 +1225,6 @@ def mhc_pre_norm_fn_bwd(
                 tokens,
                 hidden,
                 *strides,
-                *grad_output.stride(),
-                eps,
-            )
-        else:
-            # dmul and 2·dsq from the saved statistics (no partials: empty ones carry T).
-            stats(
-                *_no_partials(tokens, half, device),
-                flat_view(grad_output),
-                coef.view(-1),
-                device_constant(BF16, device),
-                statistics.view(-1),
-                features,
                 *grad_output.stride(),
                 eps,
             )
