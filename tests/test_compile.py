@@ -381,7 +381,7 @@ def _norm_fn_pipelined_kernels():
     return {
         "grad m4": lambda: mhc_norm.norm_fn_grad_mma_kernel(16, 4, **mhc_norm.GRAD_MMA_SCHEDULE),
         "grad m24 addend": lambda: mhc_norm.norm_fn_grad_mma_kernel(
-            32, 24, **mhc_norm.GRAD_MMA_SCHEDULE, accumulate=True
+            32, 24, **mhc_norm.GRAD_MMA_ADDEND_SCHEDULE, accumulate=True
         ),
         "statistics m4": lambda: mhc_norm.norm_fn_mma_kernel(16, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
         "statistics m24": lambda: mhc_norm.norm_fn_mma_kernel(48, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
