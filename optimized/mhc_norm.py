@@ -418,22 +418,16 @@ def norm_fn_grad_kernel(
 
 
 @jit()
-def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, threads: int = REDUCE_THREADS):
-    """One thread per flattened column k: ``s_j = Σ_split partial(split, j, k)`` (split order);
-    ``dfn[j, k] = s_j·γ[k]`` and ``dγ[k] = Σ_j s_j·fn[j, k]`` (j in order) when ``weighted``, else
-    ``dfn[j, k] = s_j``. ``partial(split, j, k)`` is the element at ``split·split_stride +
-    j·row_stride + k·column_stride``; with ``hi_lo`` it is that element plus the one ``lo_offset``
-    further (the tensor-core backward's hi and lo columns, added before the splits are)."""
+def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREADS):
+    """One thread per flattened column k of the FFMA backward's ``partial[split, j, k]``:
+    ``s_j = Σ_split partial[split, j, k]`` (split order); ``dfn[j, k] = s_j·γ[k]`` and
+    ``dγ[k] = Σ_j s_j·fn[j, k]`` (j in order) when ``weighted``, else ``dfn[j, k] = s_j``. (The
+    tensor-core backward's layout has its own: ``norm_fn_reduce_columns_kernel``.)"""
     partial_span = T.dynamic("partial_span")
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
     dfn_span = T.dynamic("dfn_span")
     dgamma_span = T.dynamic("dgamma_span")
-
-    def term(partial, split, j, k64, strides):
-        split_stride, row_stride, column_stride, lo_offset = strides
-        at = split * split_stride + T.cast(j * row_stride, "int64") + k64 * column_stride
-        return partial[at] + partial[at + lo_offset] if hi_lo else partial[at]
 
     @T.prim_func
     def kernel(
@@ -447,10 +441,6 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, thread
         fn_row_stride: T.int32,
         fn_col_stride: T.int32,
         gamma_stride: T.int32,
-        split_stride: T.int64,
-        row_stride: T.int32,
-        column_stride: T.int32,
-        lo_offset: T.int32,
     ):
         with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
             tx = T.get_thread_binding()
@@ -459,11 +449,10 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, thread
             if column < features:
                 k64 = T.cast(column, "int64")
                 total[1] = T.float32(0)
-                layout = (split_stride, row_stride, column_stride, lo_offset)
                 for j in T.unroll(rows):
-                    total[0] = term(partial, T.int64(0), j, k64, layout)
+                    total[0] = partial[T.cast(j, "int64") * features + k64]
                     for split in T.serial(1, splits):
-                        total[0] = total[0] + term(partial, T.cast(split, "int64"), j, k64, layout)
+                        total[0] = total[0] + partial[(T.cast(split, "int64") * rows + j) * features + k64]
                     if weighted:
                         dfn[T.cast(j, "int64") * features + k64] = total[0] * gamma[k64 * gamma_stride]
                         total[1] = total[1] + total[0] * fn[T.cast(j, "int64") * fn_row_stride + k64 * fn_col_stride]
@@ -477,7 +466,7 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, hi_lo: bool = False, thread
 
 @jit()
 def norm_fn_reduce_columns_kernel(rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS):
-    """``norm_fn_reduce_kernel`` for the tensor-core layout ``partial[split, k, c]`` (``c = j`` hi,
+    """The dfn / dγ reduction of the tensor-core layout ``partial[split, k, c]`` (``c = j`` hi,
     ``slots + j`` lo), the same sums in the same order: ``s_j = Σ_split (hi + lo)``. Each split's
     block of ``threads`` rows (``2·slots`` floats each) comes into shared memory whole (coalesced) with
     a padded row, then thread k reads its row without bank conflicts."""
@@ -907,8 +896,8 @@ def norm_fn_grad_mma_kernel(
 
 
 # The tensor-core path's schedule, read at each call (the committed values; a sweep changes them):
-# norm_fn_grad_mma_kernel's knobs (with fp32 dx, and with the addend's bf16 dx), the per-token
-# epilogue's CTA size, and the dfn reduction's form. H200 sweep at T 8192 C 7168: two CTAs per SM
+# norm_fn_grad_mma_kernel's knobs (with fp32 dx, and with the addend's bf16 dx) and the per-token
+# epilogue's CTA size. H200 sweep at T 8192 C 7168: two CTAs per SM
 # (128 registers each, no spill) take the dx / dfn kernel from 853 to 713 µs with fp32 dx and from
 # 1087 to 766 with the addend, where the staged bf16 store gains another 36 (730; it loses 130 with
 # fp32 dx: twice the tile); 64-feature blocks and a third stage lose. The tiled reduction (a CTA's
@@ -922,7 +911,6 @@ GRAD_MMA_SCHEDULE = {
 }
 GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True}
 FINISH_SCHEDULE = {"threads": FINISH_THREADS}
-REDUCE_SCHEDULE = {"tiled": True}
 
 
 def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TARGET_CTAS) -> tuple[int, int]:
@@ -1218,63 +1206,15 @@ def mhc_pre_norm_fn_bwd(
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    tensor_cores = _tensor_cores(residual)
-    tiled_reduce = tensor_cores and REDUCE_SCHEDULE["tiled"]
-    if tiled_reduce:
-        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted)
-    else:
-        reduce = norm_fn_reduce_kernel(rows, weighted, tensor_cores)
     # Scratch, not outputs: every element is written before it is read.
     coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
-    if tensor_cores:
+    if _tensor_cores(residual):
+        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted)
         partial = _tensor_core_gradients(
             residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps, grad_addend, statistics
         )
         if partial is None:
             return d_residual, d_fn, d_weight
-        splits, _, columns = partial.shape
-        layout = (features * columns, 1, columns, columns // 2)  # partial[s, k, c], c = j (hi) or slots + j (lo)
-    else:
-        split_tokens = _split_tokens(tokens, hidden, n)
-        splits = ceil_div(tokens, split_tokens)
-        if statistics is not None:
-            _backward_from_statistics(grad_output, coef, statistics, features, eps)
-        else:
-            stats = norm_fn_kernel(n, rows, vector, weighted, True)
-        grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
-        if compiling_only():
-            return d_residual, d_fn, d_weight
-        partial = torch.empty((splits, rows, features), dtype=F32, device=device)
-        if statistics is None:
-            stats(
-                flat_view(residual),
-                flat_view(mhc_fn),
-                flat_view(gamma),
-                flat_view(grad_output),
-                coef.view(-1),
-                device_constant(F32, device),
-                tokens,
-                hidden,
-                *strides,
-                *grad_output.stride(),
-                eps,
-            )
-        grad(
-            flat_view(residual),
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            coef.view(-1),
-            d_residual.view(-1),
-            grad_addend.view(-1) if accumulate else device_constant(BF16, device),
-            partial.view(-1),
-            tokens,
-            hidden,
-            split_tokens,
-            splits,
-            *strides,
-        )
-        layout = (rows * features, features, 1, 0)  # partial[s, j, k]
-    if tiled_reduce:
         reduce(
             partial,
             flat_view(mhc_fn),
@@ -1285,6 +1225,45 @@ def mhc_pre_norm_fn_bwd(
             strides[-1],
         )
         return d_residual, d_fn, d_weight
+    split_tokens = _split_tokens(tokens, hidden, n)
+    splits = ceil_div(tokens, split_tokens)
+    if statistics is not None:
+        _backward_from_statistics(grad_output, coef, statistics, features, eps)
+    else:
+        stats = norm_fn_kernel(n, rows, vector, weighted, True)
+    grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
+    reduce = norm_fn_reduce_kernel(rows, weighted)
+    if compiling_only():
+        return d_residual, d_fn, d_weight
+    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+    if statistics is None:
+        stats(
+            flat_view(residual),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            flat_view(grad_output),
+            coef.view(-1),
+            device_constant(F32, device),
+            tokens,
+            hidden,
+            *strides,
+            *grad_output.stride(),
+            eps,
+        )
+    grad(
+        flat_view(residual),
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        coef.view(-1),
+        d_residual.view(-1),
+        grad_addend.view(-1) if accumulate else device_constant(BF16, device),
+        partial.view(-1),
+        tokens,
+        hidden,
+        split_tokens,
+        splits,
+        *strides,
+    )
     reduce(
         partial.view(-1),
         flat_view(mhc_fn),
@@ -1295,6 +1274,5 @@ def mhc_pre_norm_fn_bwd(
         splits,
         *mhc_fn.stride(),
         strides[-1],
-        *layout,
     )
     return d_residual, d_fn, d_weight
