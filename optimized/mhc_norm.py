@@ -73,10 +73,11 @@ MIN_SPLIT_TOKENS = 64
 # accumulation: more accurate than the TF32 model the oracle's bound assumes (2^-11 per product).
 MMA_TOKENS = 64  # one warpgroup's wgmma M
 MMA_DEPTH = 128
-MMA_STAGES = 4  # H200 sweep, T 8192 C 7168: 159.5 µs with 3 stages, 155.0 with 4, 153.8 with 5
+MMA_STAGES = 4  # H200 sweeps, T 8192 C 7168: 159.5 µs with 3 stages, 155.0 (152.1) with 4, 153.8 (151.2) with 5
 MMA_THREADS = 128  # the consumer warpgroup (TileLang adds the TMA producer)
 # The features are split over CTAs when there are few token tiles: about this many CTAs, from the
 # shape alone (never the SM count), so the summation order, and so the bits, are the same on any GPU.
+# H200 sweep (132 to 1056): 132 and 256 within 1 % at every shape, more CTAs lose (1056: +12 %).
 MMA_TARGET_CTAS = 256
 # One warp per CTA: the per-token epilogue reads and writes ~50 floats per token with little else to
 # hide the latency, so more, smaller CTAs (H200, T 8192 C 7168: 27 → 19 µs backward, 8.5 → 5.5 forward).
@@ -901,15 +902,17 @@ def norm_fn_grad_mma_kernel(
 # (128 registers each, no spill) take the dx / dfn kernel from 853 to 713 µs with fp32 dx and from
 # 1087 to 766 with the addend, where the staged bf16 store gains another 36 (730; it loses 130 with
 # fp32 dx: twice the tile); 64-feature blocks and a third stage lose. The tiled reduction (a CTA's
-# columns over the splits, coalesced) takes the dfn sum from 30 to 12 µs, same bits.
+# columns over the splits, coalesced) takes the dfn sum from 30 to 12 µs, same bits. Loading dmul's
+# [hi | lo] once for both GEMMs (shared_pair) gains 1.5-3 % with fp32 dx (667 -> 657 µs) and loses
+# 5-8 % with the addend (690 -> 744: the staged store's tile and the second dx GEMM's waits), same bits.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
     "min_blocks": 2,
     "staged_store": False,
-    "shared_pair": False,
+    "shared_pair": True,
 }
-GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True}
+GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
 FINISH_SCHEDULE = {"threads": FINISH_THREADS}
 
 

@@ -77,7 +77,9 @@ Build every kernel configuration that the selected cases of the oracle need, as 
 pass does, before a run that must not compile: a CUDA-graph capture cannot build or load a kernel
 (the first call of a configuration inside a capture raises and says so). On a GPU machine the
 kernels go into TileLang's cache (TILEPROOF_CACHE_DIR) for this GPU; without a GPU they are
-compiled for TILEPROOF_TARGET (sm_90a by default) as a check, and nothing reusable is kept. Exit
+compiled for TILEPROOF_TARGET (sm_90a by default) as a check, and nothing reusable is kept, unless
+--cache asks for the whole kernels (host module included, about 250 KB each, slower: no batching)
+in the cache, to copy to a GPU machine of that architecture with the same TileLang and CUDA. Exit
 status 1 when a kernel fails to build."""
 
 
@@ -215,6 +217,11 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
     precompile.add_argument("--case", action="append", metavar="LABEL", help="case label or shell glob (repeatable)")
     precompile.add_argument(
         "-j", "--jobs", type=_positive_int, metavar="N", help="compile threads (default: CPUs, at most 16)"
+    )
+    precompile.add_argument(
+        "--cache",
+        action="store_true",
+        help="without a GPU: keep the built kernels in the cache, for a GPU of the compile target",
     )
     sanitize.add_parser(commands)
     return parser, oracle, mutate
@@ -378,11 +385,12 @@ def _precompile(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     before = set(jit.kernel_first_calls())
-    failures = runner.compile_all(args.profile, ops, args.case, workers=args.jobs)
+    failures = runner.compile_all(args.profile, ops, args.case, workers=args.jobs, cache=args.cache)
     seconds = time.perf_counter() - started
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or args.cache:
         built = len(set(jit.kernel_first_calls()) - before)
-        done = f"{built} kernel configurations built or loaded into the cache for this GPU"
+        where = "this GPU" if torch.cuda.is_available() else jit.compile_target()["arch"]
+        done = f"{built} kernel configurations built or loaded into the cache for {where}"
     else:
         done = f"their kernels compiled for {jit.compile_target()['arch']} (a check: no GPU, nothing cached)"
     print(f"{len(cases)} cases: {done} in {seconds:.0f} s; {len(failures)} failed")

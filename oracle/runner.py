@@ -362,9 +362,12 @@ def compile_pass(
     workers: int | None = None,
     on_done: Callable[[Case, str | None], None] | None = None,
     twin: Twin | None = None,
+    cache: bool = False,
 ) -> dict[str, str | None]:
     """Run the compile-only call of every case (label -> error or None) with ``twin``'s jit
-    (default: tileproof's optimized kernels)."""
+    (default: tileproof's optimized kernels). ``cache``: without a GPU too, build each kernel
+    whole (host module included) into TileLang's cache, for a GPU of the compile target to load,
+    instead of the batched device-only check."""
     twin = twin or OPTIMIZED
     if twin.jit_module is None:  # foreign code: no compile-only mode to call it in
         return {case.label: None for case in cases}
@@ -381,7 +384,7 @@ def compile_pass(
             seen.add(group)
             first.append(case)
     results: dict[str, str | None] = {}
-    with _device_compile_batch(twin) as batch:
+    with _device_compile_batch(twin, batched=not cache) as batch:
         waves = [first, rest]
         if batch is not None and workers > 1 and twin is OPTIMIZED and device.type == "cpu" and len(first) > workers:
             # TileLang's lowering holds the GIL: threads would lower one kernel at a time. Every
@@ -463,9 +466,13 @@ def lower_cases_main(cases_path: str, result_path: str, claim_dir: str | None = 
 
 
 @contextlib.contextmanager
-def _device_compile_batch(twin: Twin) -> Iterator:
+def _device_compile_batch(twin: Twin, batched: bool = True) -> Iterator:
     """Without a GPU (nothing is launched), the twin's jit defers nvcc and compiles many kernels
-    per call (``batched_device_compile``); with one, kernels are compiled and cached one by one."""
+    per call (``batched_device_compile``); with one, or when not ``batched``, kernels are compiled
+    and cached one by one."""
+    if not batched:
+        yield None
+        return
     try:
         batched = getattr(importlib.import_module(twin.jit_module), "batched_device_compile", None)
     except Exception:  # reported per case by _compile_one
@@ -485,15 +492,17 @@ def compile_all(
     workers: int | None = None,
     device: torch.device | None = None,
     twin: Twin | None = None,
+    cache: bool = False,
 ) -> list[CompileFailure]:
     """Compile every kernel configuration that ``profile`` needs (for ``compile_target()``,
     sm_90a without a GPU), from a thread pool; return the failures (empty: all compiled).
 
     ``ops`` and ``patterns`` (labels or shell globs) narrow the selection like the CLI's ``--op``
     and ``--case``. No GPU is needed: inputs are uninitialized CPU tensors of the right layout.
-    Operators without an optimized twin compile nothing and never fail here."""
+    Operators without an optimized twin compile nothing and never fail here. ``cache``: see
+    ``compile_pass``."""
     cases = select_cases(profile, ops, patterns)
-    results = compile_pass(cases, device=device, workers=workers, twin=twin)
+    results = compile_pass(cases, device=device, workers=workers, twin=twin, cache=cache)
     return [CompileFailure(case.op, case.label, results[case.label]) for case in cases if results[case.label]]
 
 
