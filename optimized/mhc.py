@@ -94,8 +94,8 @@ SINKHORN_BWD_THREADS = 64
 STREAM_THREADS = 128
 STREAM_ITEMS = 2
 # mhc_post reads y once per n outputs: 4 vectors per thread keep more loads in flight (258.5 µs
-# against 266.8 µs at 2 items, T 8192, C 7168, H200). Rows longer than one such CTA take one CTA of
-# 2 vectors per thread instead (post_schedule).
+# against 266.8 µs at 2 items, T 8192, C 7168, H200). Rows that such CTAs do not tile exactly take
+# one CTA of 2 vectors per thread instead (post_schedule).
 POST_ITEMS = 4
 POST_WIDE_ITEMS = 2
 BF16_VECTOR = 8
@@ -993,11 +993,14 @@ def mhc_pre_apply_mix_bwd(
 
 
 def post_schedule(hidden_vectors: int) -> tuple[int, int]:
-    """``(items, threads)`` of ``post_kernel`` for a row of ``hidden_vectors`` vectors. A row that one
-    CTA of ``POST_ITEMS × STREAM_THREADS`` does not cover (C > 4096 in 16-byte vectors) would leave the
-    row's last CTA partly idle; up to twice that, one CTA of 2 vectors per thread covers the row with
-    at most one idle warp: 250.5 µs against 255.1 µs (T 8192, C 7168: 448 threads, H200, kernel time)."""
-    if hidden_vectors <= POST_ITEMS * STREAM_THREADS or hidden_vectors > 2 * POST_ITEMS * STREAM_THREADS:
+    """``(items, threads)`` of ``post_kernel`` for a row of ``hidden_vectors`` vectors. Rows that CTAs
+    of ``POST_ITEMS × STREAM_THREADS`` tile exactly, or longer than two of them, take those; any other
+    row up to that length takes one CTA of 2 vectors per thread with at most one idle warp, where the
+    default CTA would leave lanes idle. H200, T 8192, kernel time: C 7168 (896 vectors, 448 threads)
+    250.5 µs against 255.1; C 1280 (160 vectors, 96 threads) 48.3 against 72.3; C 2560 (320
+    vectors, 160 threads) 95.3 against 100.4."""
+    default = POST_ITEMS * STREAM_THREADS
+    if hidden_vectors % default == 0 or hidden_vectors > 2 * default:
         return POST_ITEMS, STREAM_THREADS
     return POST_WIDE_ITEMS, 32 * ceil_div(ceil_div(hidden_vectors, POST_WIDE_ITEMS), 32)
 

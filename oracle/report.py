@@ -79,7 +79,10 @@ def headline(result: CaseResult) -> str:
     output_names = {output.name for output in get_op(result.case.op).outputs}
     compared = [c for c in result.checks if c.name in output_names and c.status == PASS]
     if compared:  # GPU: the optimized outputs against the reference
-        text = ", ".join(f"{c.name} {c.metric}" for c in compared) + f" [{compared[0].policy}]"
+        if len({c.policy for c in compared}) == 1:
+            text = ", ".join(f"{c.name} {c.metric}" for c in compared) + f" [{compared[0].policy}]"
+        else:  # outputs under different bounds: each with its own, never one bound that looks like all
+            text = ", ".join(f"{c.name} {c.metric} [{c.policy}]" for c in compared)
         grid = [c for c in result.checks if c.name == GRID_CHECK and c.status == PASS]
         return text + (f"; grid-size independent ({grid[0].metric})" if grid else "")
     # CPU: the reference's value checks (round trip, cross-op identities), then the compile.

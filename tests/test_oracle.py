@@ -652,6 +652,14 @@ def test_json_of_every_case_is_serializable(seed):
     assert data["cases"][0]["params"] == dataclasses.asdict(case.params)
 
 
+def test_headline_shows_each_outputs_bound_when_bounds_differ(seed):
+    case = _small_case("per_token_cast")
+    same = [policy.Check("q", PASS, "bitwise", "0/8 differ"), policy.Check("sf", PASS, "bitwise", "0/1 differ")]
+    assert report.headline(runner.CaseResult(case, seed, "", same)) == "q 0/8 differ, sf 0/1 differ [bitwise]"
+    mixed = [policy.Check("q", PASS, "rel ≤ 0.01", "0.003"), policy.Check("sf", PASS, "rel ≤ 0.002", "1e-06")]
+    assert report.headline(runner.CaseResult(case, seed, "", mixed)) == "q 0.003 [rel ≤ 0.01], sf 1e-06 [rel ≤ 0.002]"
+
+
 # ---------------------------------------------------------------------------------------------
 # Reference-only operators (no optimized twin yet)
 # ---------------------------------------------------------------------------------------------
