@@ -11,9 +11,10 @@ Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 fo
 
 - **Forward / statistics on tensor cores** (a contiguous residual with 16-byte rows, the layout a
   model passes): ``folded_fn_split_kernel`` writes ``fn·γ`` transposed as bf16 ``[hi | lo]`` columns
-  (``hi = bf16(f)``, ``lo = bf16(f − hi)``); ``norm_fn_mma_kernel`` streams x by TMA in tiles of 64
-  tokens × 128 features through a 3-stage warp-specialized pipeline into one bf16 wgmma per tile
-  (M 64, N 2·m rounded to 8, fp32 accumulation) and adds up x² per element on the side; few token
+  (``hi = bf16(f)``, ``lo = bf16(f − hi)``); ``norm_fn_mma_kernel`` streams x by TMA in tiles of 128
+  tokens × 128 features through a 3-stage warp-specialized pipeline into one bf16 wgmma per 64
+  tokens (two consumer warpgroups share the tile's fn rows; M 64, N 2·m rounded to 8, fp32
+  accumulation) and adds up x² per element on the side; few token
   tiles split the features over more CTAs (a split count from the shape only, so the bits do not
   depend on the GPU), and ``norm_fn_finish_kernel`` adds the splits in order, hi and lo, and applies
   the same epilogue as ``norm_fn_kernel``. x is read once, from HBM; fn·γ (2.8 MB at C 7168) from L2.
@@ -68,17 +69,23 @@ TARGET_CTAS = 1056
 MIN_SPLIT_TOKENS = 64
 
 # Tensor-core path of the GEMM (x · fnᵀ with Σx² on the side): x is streamed once by TMA in tiles of
-# MMA_TOKENS tokens × MMA_DEPTH features; fn·γ is split into bf16 high and low parts
+# MMA_TILE_TOKENS tokens × MMA_DEPTH features; fn·γ is split into bf16 high and low parts
 # (fn·γ = hi + lo + O(2^-18)·|fn·γ|), so one bf16 wgmma per tile gives both products with fp32
 # accumulation: more accurate than the TF32 model the oracle's bound assumes (2^-11 per product).
 MMA_TOKENS = 64  # one warpgroup's wgmma M
 MMA_DEPTH = 128
-MMA_STAGES = 4  # H200 sweeps, T 8192 C 7168: 159.5 µs with 3 stages, 155.0 (152.1) with 4, 153.8 (151.2) with 5
-MMA_THREADS = 128  # the consumer warpgroup (TileLang adds the TMA producer)
+MMA_THREADS = 128  # a consumer warpgroup (TileLang adds the TMA producer)
+# Every tile reads its [hi | lo] rows of the folded fn again from L2: with 64-token tiles that is 0.75
+# byte per byte of x at 24 mixes, and the L2 was the limit (H200, T 8192 C 7168: 152 µs, 74 % of the
+# copy roof). Two consumer warpgroups sharing a 128-token tile halve it: 152 → 133 µs (192 tokens:
+# 133-136, slower at T 4001; 3 stages as fast as 4 and 5 with 128 tokens). Sweeps:
+# norm-fn-forward-tile*-h200-sweep.json.
+MMA_TILE_TOKENS = 128
+MMA_STAGES = 3
 # The features are split over CTAs when there are few token tiles: about this many CTAs, from the
 # shape alone (never the SM count), so the summation order, and so the bits, are the same on any GPU.
-# H200 sweep (132 to 1056): 132 and 256 within 1 % at every shape, more CTAs lose (1056: +12 %).
-MMA_TARGET_CTAS = 256
+# H200 sweeps: with 128-token tiles 128 CTAs (one wave on 132 SMs) beat 192 and 256 by 4-11 %.
+MMA_TARGET_CTAS = 128
 # One warp per CTA: the per-token epilogue reads and writes ~50 floats per token with little else to
 # hide the latency, so more, smaller CTAs (H200, T 8192 C 7168: 27 → 19 µs backward, 8.5 → 5.5 forward).
 FINISH_THREADS = 32
@@ -624,10 +631,13 @@ def release_after_thread_reads(stage, sink):
 
 
 @jit(pass_configs=MMA_PASS_CONFIGS)
-def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_STAGES):
+def norm_fn_mma_kernel(
+    columns: int, depth: int = MMA_DEPTH, stages: int = MMA_STAGES, tile_tokens: int = MMA_TILE_TOKENS
+):
     """Grid (token tiles, feature splits): ``partial[s, t, :] = Σ_{k in split s} x[t, k]·folded[k, :]``
     (bf16 wgmma, fp32 accumulation) and ``partial_sq[s, t] = Σ_{k in split s} x[t, k]²`` (fp32). Tiles
-    past the tokens or features read zeros (TMA)."""
+    past the tokens or features read zeros (TMA). ``tile_tokens`` (a multiple of 64): one consumer
+    warpgroup per 64 tokens of a tile, all sharing the tile's ``folded`` rows (see MMA_TILE_TOKENS)."""
     tokens = T.dynamic("tokens")
     features = T.dynamic("features")
     padded = T.dynamic("padded")
@@ -641,32 +651,34 @@ def norm_fn_mma_kernel(columns: int, depth: int = MMA_DEPTH, stages: int = MMA_S
         partial_sq: T.Tensor((splits, tokens), "float32"),
         steps_per_split: T.int32,
     ):
-        with T.Kernel(T.ceildiv(tokens, MMA_TOKENS), splits, threads=MMA_THREADS) as (tile, split):
-            x_shared = T.alloc_shared((MMA_TOKENS, depth), "bfloat16")
+        warpgroups = tile_tokens // MMA_TOKENS
+        with T.Kernel(T.ceildiv(tokens, tile_tokens), splits, threads=MMA_THREADS * warpgroups) as (tile, split):
+            x_shared = T.alloc_shared((tile_tokens, depth), "bfloat16")
             folded_shared = T.alloc_shared((depth, columns), "bfloat16")
-            products = T.alloc_fragment((MMA_TOKENS, columns), "float32")
-            squares = T.alloc_fragment((MMA_TOKENS, depth), "float32")
-            row_squares = T.alloc_fragment((MMA_TOKENS,), "float32")
+            products = T.alloc_fragment((tile_tokens, columns), "float32")
+            squares = T.alloc_fragment((tile_tokens, depth), "float32")
+            row_squares = T.alloc_fragment((tile_tokens,), "float32")
             sink = T.alloc_local((1,), "bfloat16")
             T.clear(products)
             T.clear(squares)
             first_step = split * steps_per_split
             steps = T.min(steps_per_split, T.ceildiv(features, depth) - first_step)
             for step in T.Pipelined(steps, num_stages=stages):
-                T.copy(x[tile * MMA_TOKENS, (first_step + step) * depth], x_shared)
+                T.copy(x[tile * tile_tokens, (first_step + step) * depth], x_shared)
                 T.copy(folded[(first_step + step) * depth, 0], folded_shared)
-                T.gemm(x_shared, folded_shared, products)
+                # Each warpgroup its own 64 tokens (rows), over all the columns.
+                T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
                 # Element-wise per step, reduced once at the end: no cross-thread sum in the loop.
-                for i, k in T.Parallel(MMA_TOKENS, depth):
+                for i, k in T.Parallel(tile_tokens, depth):
                     squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
                         x_shared[i, k], "float32"
                     )
                 release_after_thread_reads(x_shared, sink)
             T.reduce_sum(squares, row_squares, dim=1)
-            T.copy(products, partial[split, tile * MMA_TOKENS, 0])
-            for i in T.Parallel(MMA_TOKENS):
-                if tile * MMA_TOKENS + i < tokens:
-                    partial_sq[split, tile * MMA_TOKENS + i] = row_squares[i]
+            T.copy(products, partial[split, tile * tile_tokens, 0])
+            for i in T.Parallel(tile_tokens):
+                if tile * tile_tokens + i < tokens:
+                    partial_sq[split, tile * tile_tokens + i] = row_squares[i]
 
     return kernel
 
@@ -974,13 +986,13 @@ def _tensor_cores(residual: torch.Tensor) -> bool:
 
 # The statistics GEMM's schedule, read at each call (committed values; a sweep changes them). ``depth``
 # divides MMA_DEPTH, the padding of the folded fn.
-MMA_SCHEDULE = {"depth": MMA_DEPTH, "stages": MMA_STAGES, "target_ctas": MMA_TARGET_CTAS}
+MMA_SCHEDULE = {"depth": MMA_DEPTH, "stages": MMA_STAGES, "target_ctas": MMA_TARGET_CTAS, "tokens": MMA_TILE_TOKENS}
 
 
 def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     """(splits, steps per split) of the features for the tensor-core GEMM: from the shape only."""
     steps = ceil_div(features, MMA_SCHEDULE["depth"])
-    wanted = max(1, min(steps, ceil_div(MMA_SCHEDULE["target_ctas"], ceil_div(tokens, MMA_TOKENS))))
+    wanted = max(1, min(steps, ceil_div(MMA_SCHEDULE["target_ctas"], ceil_div(tokens, MMA_SCHEDULE["tokens"]))))
     per_split = ceil_div(steps, wanted)
     return ceil_div(steps, per_split), per_split
 
@@ -1026,7 +1038,7 @@ def _norm_fn_statistics_mma(
     weighted = mhc_norm_weight is not None
     splits, per_split = _mma_splits(tokens, features)
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
-    mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"])
+    mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"], MMA_SCHEDULE["tokens"])
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     saved = statistics is not None  # (the forward's: it writes them)
     finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved, False)
