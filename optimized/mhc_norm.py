@@ -616,18 +616,22 @@ MMA_PASS_CONFIGS = {
 
 
 @T.macro
-def release_after_thread_reads(stage, sink):
-    """End a pipelined loop body whose threads read ``stage`` (a TMA-filled shared buffer) with plain
-    loads: a proxy fence, then a dead read of ``stage`` that TileLang's warp specialization takes as
-    the buffer's last use, so the barrier arrival that hands ``stage`` back to the TMA producer comes
-    after the fence. Without it the arrival issues while the loads are still in flight (ptxas waits
-    for them only where their registers are used, after it), and the TMA load of the tile two steps
-    on can overwrite the buffer under them: generic-proxy reads are not ordered before async-proxy
-    writes by the barrier alone. Seen on the H200 as nondeterministic 16-byte groups of dx in the
-    norm-fn backward with 4 and 8 mixes. The fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads;
-    nvcc drops the dead read."""
+def release_after_thread_reads(sink, stage, other_stage=None):
+    """End a pipelined loop body whose threads read ``stage`` (and ``other_stage``: TMA-filled shared
+    buffers) with plain loads: a proxy fence, then a dead read of each that TileLang's warp
+    specialization takes as the buffer's last use, so the barrier arrival that hands it back to the
+    TMA producer (one barrier per buffer) comes after the fence. Without it the arrival issues while
+    the loads are still in flight (ptxas waits for them only where their registers are used, after
+    it), and the TMA load of the tile two steps on can overwrite the buffer under them:
+    generic-proxy reads are not ordered before async-proxy writes by the barrier alone. Seen on the
+    H200 as nondeterministic 16-byte groups of dx in the norm-fn backward with 4 and 8 mixes. The
+    fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads; nvcc drops the dead reads."""
     T.fence_proxy_async()
+    # Two parameters, not a loop over a tuple: in a macro a Python loop becomes a kernel loop, and
+    # TileLang's builder renames a buffer after the variable bound to it.
     sink[0] = stage[0, 0]
+    if other_stage is not None:
+        sink[0] = other_stage[0, 0]
 
 
 @jit(pass_configs=MMA_PASS_CONFIGS)
@@ -673,7 +677,7 @@ def norm_fn_mma_kernel(
                     squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
                         x_shared[i, k], "float32"
                     )
-                release_after_thread_reads(x_shared, sink)
+                release_after_thread_reads(sink, x_shared)
             T.reduce_sum(squares, row_squares, dim=1)
             T.copy(products, partial[split, tile * tile_tokens, 0])
             for i in T.Parallel(tile_tokens):
@@ -799,6 +803,7 @@ def norm_fn_grad_mma_kernel(
     staged_store: bool = False,
     accumulate: bool = False,
     shared_pair: bool = False,
+    addend_stage: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
@@ -813,7 +818,10 @@ def norm_fn_grad_mma_kernel(
     bf16(that + addend[t, k])`` (the contiguous bf16 ``addend``, one fp32 add, one rounding).
     ``shared_pair``: dmul's ``[hi | lo]`` columns are loaded once, for both GEMMs (dx's then in two
     GEMMs, the second for its ``hi·lo`` product), instead of all three columns for dx and the pair
-    again for dfn: 8 KB less per 64-token tile with 24 mixes."""
+    again for dfn: 8 KB less per 64-token tile with 24 mixes. ``addend_stage`` (with ``accumulate``;
+    ``addend`` then ``[T, nC]``, 16-byte aligned): the addend tile comes through the pipeline by TMA
+    with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
+    for."""
     out_dtype = "bfloat16" if accumulate else "float32"
     width = 3 * slots
     consumer_registers = min(240, (65536 // min_blocks // MMA_THREADS - 24) // 8 * 8)
@@ -830,7 +838,7 @@ def norm_fn_grad_mma_kernel(
         dsplit: T.Tensor((tokens, width), "bfloat16"),
         coef: T.Tensor((tokens, rows + 1), "float32"),
         dres: T.Tensor((tokens, features), out_dtype),
-        addend: T.Tensor((addend_span,), "bfloat16"),
+        addend: T.Tensor((tokens, features) if addend_stage else (addend_span,), "bfloat16"),
         partial: T.Tensor((splits, features, 2 * slots), "float32"),
         split_tiles: T.int32,
     ):
@@ -850,6 +858,11 @@ def norm_fn_grad_mma_kernel(
             sink = T.alloc_local((1,), "bfloat16")
             if accumulate:
                 dx_out = T.alloc_fragment((MMA_TOKENS, block_features), out_dtype)
+            if addend_stage:
+                addend_shared = T.alloc_shared((MMA_TOKENS, block_features), "bfloat16")
+                # Swizzled (TMA writes it so): the threads read it in the accumulator's row pattern,
+                # eight rows 256 bytes apart per load, all in one bank unswizzled.
+                T.annotate_layout({addend_shared: tilelang.layout.make_swizzled_layout(addend_shared)})
             if staged_store:
                 dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
@@ -869,6 +882,8 @@ def norm_fn_grad_mma_kernel(
             for step in T.Pipelined(tiles, num_stages=stages):
                 token = (first_tile + step) * MMA_TOKENS
                 T.copy(x[token, first], x_shared)
+                if addend_stage:
+                    T.copy(addend[token, first], addend_shared)
                 if shared_pair:
                     T.copy(dsplit[token, 0], pair_shared)
                     T.copy(dsplit[token, 2 * slots], high_shared)
@@ -883,12 +898,20 @@ def norm_fn_grad_mma_kernel(
                     T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
                 for i, k in T.Parallel(MMA_TOKENS, block_features):
                     dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
-                release_after_thread_reads(x_shared, sink)
-                if accumulate:
-                    # The tail's clamped reads are of elements whose stores are dropped.
+                if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
-                        at = T.cast(T.min(token + i, tokens - 1), "int64") * features + T.min(first + k, features - 1)
-                        dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend[at], "float32"), out_dtype)
+                        dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
+                    release_after_thread_reads(sink, x_shared, addend_shared)
+                else:
+                    release_after_thread_reads(sink, x_shared)
+                if accumulate:
+                    if not addend_stage:
+                        # The tail's clamped reads are of elements whose stores are dropped.
+                        for i, k in T.Parallel(MMA_TOKENS, block_features):
+                            at = T.cast(T.min(token + i, tokens - 1), "int64") * features + T.min(
+                                first + k, features - 1
+                            )
+                            dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend[at], "float32"), out_dtype)
                     if staged_store:
                         T.copy(dx_out, dx_shared)
                         T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
@@ -917,14 +940,23 @@ def norm_fn_grad_mma_kernel(
 # columns over the splits, coalesced) takes the dfn sum from 30 to 12 µs, same bits. Loading dmul's
 # [hi | lo] once for both GEMMs (shared_pair) gains 1.5-3 % with fp32 dx (667 -> 657 µs) and loses
 # 5-8 % with the addend (690 -> 744: the staged store's tile and the second dx GEMM's waits), same bits.
+# With the addend, each thread loaded its addend elements after the GEMMs and every tile waited for
+# DRAM: the addend tile through the pipeline by TMA with x's (addend_stage) with shared_pair takes the
+# layers' call (addend + statistics, T 8192 C 7168) from 691 to 535 µs, T 4001 C 7168 434 -> 357, same
+# bits; the staged dx store then pays only where two CTAs still fit on an SM (m <= 16: 336 -> 208 with
+# m 4; with 24 mixes it leaves one CTA per SM, 662). Sweep: norm-grad-addend-stage-h200-sweep.json.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
     "min_blocks": 2,
     "staged_store": False,
     "shared_pair": True,
+    "addend_stage": False,
 }
-GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
+GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
+GRAD_MMA_STAGED_ADDEND_SLOTS = 16  # slots up to which the addend schedule stages its dx store too
+# An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
+GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
 FINISH_SCHEDULE = {"threads": FINISH_THREADS}
 
 
@@ -948,7 +980,12 @@ def _tensor_core_gradients(
     rows = mhc_fn.shape[0]
     slots = 16 * ceil_div(rows, 16)  # a wgmma K step holds 16 bf16
     weighted = mhc_norm_weight is not None
-    schedule = dict(GRAD_MMA_SCHEDULE if addend is None else GRAD_MMA_ADDEND_SCHEDULE)
+    if addend is None:
+        schedule = dict(GRAD_MMA_SCHEDULE)
+    elif address(addend) % 16:
+        schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
+    else:
+        schedule = {**GRAD_MMA_ADDEND_SCHEDULE, "staged_store": slots <= GRAD_MMA_STAGED_ADDEND_SLOTS}
     splits, per_split = _grad_mma_splits(tokens, features, GRAD_MMA_TARGET_CTAS * schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
@@ -970,7 +1007,10 @@ def _tensor_core_gradients(
         mhc_norm_weight.stride(0) if weighted else 0,
     )
     x = residual.view(tokens, features)
-    addend_argument = device_constant(BF16, device) if addend is None else addend.view(-1)
+    if addend is None:
+        addend_argument = device_constant(BF16, device)
+    else:
+        addend_argument = addend.view(tokens, features) if schedule["addend_stage"] else addend.view(-1)
     grad_kernel(x, stacked, dsplit, coef, d_residual.view(tokens, features), addend_argument, partial, per_split)
     return partial
 

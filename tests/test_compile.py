@@ -383,6 +383,12 @@ def _norm_fn_pipelined_kernels():
         "grad m24 addend": lambda: mhc_norm.norm_fn_grad_mma_kernel(
             32, 24, **mhc_norm.GRAD_MMA_ADDEND_SCHEDULE, accumulate=True
         ),
+        "grad m4 addend staged": lambda: mhc_norm.norm_fn_grad_mma_kernel(
+            16, 4, **{**mhc_norm.GRAD_MMA_ADDEND_SCHEDULE, "staged_store": True}, accumulate=True
+        ),
+        "grad m24 addend loads": lambda: mhc_norm.norm_fn_grad_mma_kernel(
+            32, 24, **mhc_norm.GRAD_MMA_ADDEND_LOADS_SCHEDULE, accumulate=True
+        ),
         "statistics m4": lambda: mhc_norm.norm_fn_mma_kernel(16, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
         "statistics m24": lambda: mhc_norm.norm_fn_mma_kernel(48, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
     }
@@ -397,18 +403,23 @@ def test_pipelined_x_tiles_go_back_to_the_tma_producer_after_a_proxy_fence(name)
     order in the generated CUDA, so that a TileLang that places the arrival differently fails here."""
     source = _norm_fn_pipelined_kernels()[name]().kernel.get_kernel_source()
     lines = [line.strip() for line in source.splitlines()]
-    fenced = [
-        index
-        for index, line in enumerate(lines[:-2])
-        if line == "tl::fence_proxy_async();" and lines[index + 1].startswith("sink[0] = ((bfloat16_t*)x_shared)")
-    ]
-    assert len(fenced) == 1, f"{name}: no proxy fence followed by the dead read of x_shared"
-    fence = fenced[0]
-    assert lines[fence + 2].startswith("mbarrier[") and lines[fence + 2].endswith("].arrive();"), lines[fence + 2]
-    plain_reads = [
-        index
-        for index, line in enumerate(lines)
-        if "= *(uint1*)(((bfloat16_t*)x_shared)" in line
-        or ("((bfloat16_t*)x_shared)[" in line and not line.startswith("sink[0]"))
-    ]
-    assert plain_reads and max(plain_reads) < fence, f"{name}: a plain read of x_shared after the fence"
+    fences = [index for index, line in enumerate(lines) if line == "tl::fence_proxy_async();"]
+    # The tiles TMA fills and the threads read: x, and the addend where it comes through the pipeline.
+    tiles = ["x_shared"] + (["addend_shared"] if "addend_shared" in source else [])
+    for tile in tiles:
+        fenced = [
+            index
+            for index in fences
+            if any(lines[index + 1 + 2 * k].startswith(f"sink[0] = ((bfloat16_t*){tile})") for k in range(len(tiles)))
+        ]
+        assert len(fenced) == 1, f"{name}: no proxy fence followed by the dead read of {tile}"
+        fence = fenced[0]
+        read = next(i for i in range(fence + 1, fence + 1 + 2 * len(tiles)) if f"*){tile})" in lines[i])
+        assert lines[read + 1].startswith("mbarrier[") and lines[read + 1].endswith("].arrive();"), lines[read + 1]
+        plain_reads = [
+            index
+            for index, line in enumerate(lines)
+            if f"= *(uint1*)(((bfloat16_t*){tile})" in line
+            or (f"((bfloat16_t*){tile})[" in line and not line.startswith("sink[0]"))
+        ]
+        assert plain_reads and max(plain_reads) < fence, f"{name}: a plain read of {tile} after the fence"

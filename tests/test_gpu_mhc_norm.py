@@ -194,12 +194,19 @@ def _backward_inputs(label, tokens, hidden, pad, weighted, fn_pad):
     return grad, residual, fn, weight, addend
 
 
-@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad", [case for case in NORM_CASES if case[0] != 1])
-def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad, weighted, fn_pad):
+ADDEND_CASES = [(*case, 0) for case in NORM_CASES if case[0] != 1] + [(130, 64, 0, True, False, 1)]
+
+
+@pytest.mark.parametrize("tokens,hidden,pad,weighted,fn_pad,addend_offset", ADDEND_CASES)
+def test_norm_fn_bwd_grad_addend_is_one_rounding_of_the_sum(tokens, hidden, pad, weighted, fn_pad, addend_offset):
     """With ``grad_addend`` the residual's gradient is bf16(dx + addend) of the plain call's fp32 dx,
     bit for bit (the add and the rounding in the kernel's epilogue, tensor-core and FFMA paths alike);
-    dfn and dγ do not change."""
+    dfn and dγ do not change. ``addend_offset`` 1: a contiguous addend whose base is not 16-byte
+    aligned (TMA cannot load it: the tensor-core kernel's threads load it instead)."""
     grad, residual, fn, weight, addend = _backward_inputs("norm_fn_bwd_addend", tokens, hidden, pad, weighted, fn_pad)
+    if addend_offset:
+        storage = torch.empty(addend.numel() + addend_offset, dtype=BF16, device=addend.device)
+        addend = storage[addend_offset:].view(addend.shape).copy_(addend)
     if DEVICE != "cuda":
         with compile_only():
             _optimized().mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, grad_addend=addend)
