@@ -804,6 +804,7 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
+    store_in_addend: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
@@ -821,7 +822,11 @@ def norm_fn_grad_mma_kernel(
     again for dfn: 8 KB less per 64-token tile with 24 mixes. ``addend_stage`` (with ``accumulate``;
     ``addend`` then ``[T, nC]``, 16-byte aligned): the addend tile comes through the pipeline by TMA
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
-    for."""
+    for. ``store_in_addend`` (with ``addend_stage``): the staged dx store goes through the addend's
+    stage buffer, once read, instead of a tile of its own (16 KB: with 24 mixes, the room a second
+    CTA per SM needs); the buffer goes back to the producer after the TMA store has read it."""
+    if store_in_addend and not (addend_stage and accumulate):
+        raise ValueError("store_in_addend needs addend_stage and accumulate")
     out_dtype = "bfloat16" if accumulate else "float32"
     width = 3 * slots
     consumer_registers = min(240, (65536 // min_blocks // MMA_THREADS - 24) // 8 * 8)
@@ -863,7 +868,7 @@ def norm_fn_grad_mma_kernel(
                 # Swizzled (TMA writes it so): the threads read it in the accumulator's row pattern,
                 # eight rows 256 bytes apart per load, all in one bank unswizzled.
                 T.annotate_layout({addend_shared: tilelang.layout.make_swizzled_layout(addend_shared)})
-            if staged_store:
+            if staged_store and not store_in_addend:
                 dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -901,10 +906,19 @@ def norm_fn_grad_mma_kernel(
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
-                    release_after_thread_reads(sink, x_shared, addend_shared)
+                    if store_in_addend:
+                        # The addend tile's own release follows its last use, the TMA store below.
+                        release_after_thread_reads(sink, x_shared)
+                        T.copy(dx_out, addend_shared)
+                        T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
+                        T.copy(addend_shared, dres[token, first])
+                    else:
+                        release_after_thread_reads(sink, x_shared, addend_shared)
                 else:
                     release_after_thread_reads(sink, x_shared)
-                if accumulate:
+                if store_in_addend:
+                    pass
+                elif accumulate:
                     if not addend_stage:
                         # The tail's clamped reads are of elements whose stores are dropped.
                         for i, k in T.Parallel(MMA_TOKENS, block_features):

@@ -82,8 +82,19 @@ PAD = 8  # extra elements per row of a strided input
 
 # (tokens, hidden, pad) of the stream ops, and (tokens, pad) of the token ops.
 STREAM_SHAPES = {
-    # C 7168 reaches mhc_post's wide-row schedule (one CTA per row: ``optimized.mhc.post_schedule``).
-    "quick": [(0, 64, 0), (1, 64, 0), (37, 128, 0), (5, 64, PAD), (3, 1280, 0), (2, 7168, 0)],
+    # Every C of the full tier, for the row-shaped CTAs (``optimized.mhc.post_schedule``: one CTA per
+    # row of 2 vectors per thread at C 1280, 2560 and 7168, 4 × 128 at C 4096), which the quick tier's
+    # compile check must build.
+    "quick": [
+        (0, 64, 0),
+        (1, 64, 0),
+        (37, 128, 0),
+        (5, 64, PAD),
+        (3, 1280, 0),
+        (2, 7168, 0),
+        (2, 2560, 0),
+        (2, 4096, 0),
+    ],
     "full": [(t, c, 0) for c in HIDDENS for t in TOKENS] + [(4001, 2560, 64)],
 }
 TOKEN_SHAPES = {
@@ -1351,6 +1362,10 @@ class MultilayerRecompute(MhcOp):
             replace(shape, layers=layouts[i % len(layouts)][0], posts=layouts[i % len(layouts)][1])
             for i, shape in enumerate(shapes)
         ]
+        if tier == "quick":
+            # The full tier's layer layouts at both of replay_schedule's CTA shapes (160 threads × 1
+            # at C 2560, 64 × 2 at C 7168): kernels the quick tier's compile check must build.
+            params += [MhcParams(2, c, 0, layers=l, posts=p) for c in (2560, 7168) for l, p in RECOMPUTE_LAYERS["full"]]
         return [Case(self.name, _label(self.name, p), p) for p in params]
 
     def kernel_group(self, case):

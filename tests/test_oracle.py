@@ -111,10 +111,31 @@ def _kernel_configurations(profile: str, monkeypatch, device: torch.device = CPU
         return None
 
     monkeypatch.setattr(jit.KernelFactory, "__call__", record)
-    monkeypatch.setattr(runner, "_device_compile_batch", lambda twin: contextlib.nullcontext())
+    monkeypatch.setattr(runner, "_device_compile_batch", lambda twin, batched=True: contextlib.nullcontext())
     errors = runner.compile_pass(registry.select_cases(profile), device=device, workers=1)
     assert not any(errors.values()), {label: error for label, error in errors.items() if error}
     return built
+
+
+def test_compile_pass_with_cache_builds_whole_kernels_without_a_gpu(monkeypatch):
+    """``tileproof precompile --cache``: without a GPU the compile pass calls each factory outside the
+    batched device-only check (which keeps nothing), so TileLang builds and caches the whole kernel;
+    without ``cache`` the factories are lowered into the batch."""
+    from tileproof.optimized import jit
+
+    batched_calls = []
+
+    def record(factory, *args, **kwargs):
+        batched_calls.append(jit._batch is not None)
+        return None
+
+    monkeypatch.setattr(jit.KernelFactory, "__call__", record)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cases = [_small_case("per_token_cast")]
+    for cache in (False, True):
+        batched_calls.clear()
+        runner.compile_pass(cases, device=CPU, workers=1, cache=cache)
+        assert batched_calls and all(batched is not cache for batched in batched_calls), (cache, batched_calls)
 
 
 def test_quick_and_full_need_the_same_kernel_configurations(monkeypatch):

@@ -112,7 +112,7 @@ def _kernel_configurations(cases: list[registry.Case], monkeypatch) -> set:
         built.add((factory.qualified_name, args, tuple(sorted(kwargs.items()))))
 
     monkeypatch.setattr(jit.KernelFactory, "__call__", record)
-    monkeypatch.setattr(runner, "_device_compile_batch", lambda twin: contextlib.nullcontext())
+    monkeypatch.setattr(runner, "_device_compile_batch", lambda twin, batched=True: contextlib.nullcontext())
     errors = runner.compile_pass(cases, device=CPU, workers=1)
     assert not any(errors.values()), {label: error for label, error in errors.items() if error}
     return built
