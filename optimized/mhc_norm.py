@@ -917,7 +917,7 @@ def norm_fn_grad_mma_kernel(
                 else:
                     release_after_thread_reads(sink, x_shared)
                 if store_in_addend:
-                    pass
+                    pass  # stored above, through the addend's stage buffer
                 elif accumulate:
                     if not addend_stage:
                         # The tail's clamped reads are of elements whose stores are dropped.
