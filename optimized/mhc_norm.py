@@ -629,9 +629,9 @@ def release_after_thread_reads(sink, stage, other_stage=None):
     T.fence_proxy_async()
     # Two parameters, not a loop over a tuple: in a macro a Python loop becomes a kernel loop, and
     # TileLang's builder renames a buffer after the variable bound to it.
-    sink[0] = stage[0, 0]
+    sink[0] = stage[(0,) * len(stage.shape)]
     if other_stage is not None:
-        sink[0] = other_stage[0, 0]
+        sink[0] = other_stage[(0,) * len(other_stage.shape)]
 
 
 @jit(pass_configs=MMA_PASS_CONFIGS)
@@ -673,6 +673,86 @@ def norm_fn_mma_kernel(
                 # Each warpgroup its own 64 tokens (rows), over all the columns.
                 T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
                 # Element-wise per step, reduced once at the end: no cross-thread sum in the loop.
+                for i, k in T.Parallel(tile_tokens, depth):
+                    squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
+                        x_shared[i, k], "float32"
+                    )
+                release_after_thread_reads(sink, x_shared)
+            T.reduce_sum(squares, row_squares, dim=1)
+            T.copy(products, partial[split, tile * tile_tokens, 0])
+            for i in T.Parallel(tile_tokens):
+                if tile * tile_tokens + i < tokens:
+                    partial_sq[split, tile * tile_tokens + i] = row_squares[i]
+
+    return kernel
+
+
+@jit(pass_configs=MMA_PASS_CONFIGS)
+def norm_fn_fold_mma_kernel(
+    rows: int,
+    half: int,
+    weighted: bool,
+    depth: int = MMA_DEPTH,
+    stages: int = MMA_STAGES,
+    tile_tokens: int = MMA_TILE_TOKENS,
+):
+    """``norm_fn_mma_kernel`` with the fold inside: each step's fn rows (and γ) come by TMA with the x
+    tile, and the consumers write that step's ``[hi | lo]`` columns of ``fn·γ`` into shared memory as
+    ``folded_fn_split_kernel`` does (the same products and splits: the same bits), so no fold launch
+    and no folded copy in memory. fn is a contiguous fp32 ``[rows, features]`` and γ a contiguous fp32
+    ``[features]`` (16-byte aligned; the launcher checks), both read from L2 by every tile as the folded
+    columns were (4 bytes per element either way); ``half`` columns each, zero past ``rows``."""
+    columns = 2 * half
+    tokens = T.dynamic("tokens")
+    features = T.dynamic("features")
+    splits = T.dynamic("splits")
+    gamma_span = T.dynamic("gamma_span")
+
+    @T.prim_func
+    def kernel(
+        x: T.Tensor((tokens, features), "bfloat16"),
+        fn: T.Tensor((rows, features), "float32"),
+        gamma: T.Tensor((gamma_span,), "float32"),
+        partial: T.Tensor((splits, tokens, columns), "float32"),
+        partial_sq: T.Tensor((splits, tokens), "float32"),
+        steps_per_split: T.int32,
+    ):
+        warpgroups = tile_tokens // MMA_TOKENS
+        with T.Kernel(T.ceildiv(tokens, tile_tokens), splits, threads=MMA_THREADS * warpgroups) as (tile, split):
+            x_shared = T.alloc_shared((tile_tokens, depth), "bfloat16")
+            fn_shared = T.alloc_shared((rows, depth), "float32")
+            if weighted:
+                gamma_shared = T.alloc_shared((depth,), "float32")
+            folded_shared = T.alloc_shared((depth, columns), "bfloat16")
+            folded_local = T.alloc_fragment((depth, columns), "bfloat16")
+            sink_fn = T.alloc_local((1,), "float32")
+            products = T.alloc_fragment((tile_tokens, columns), "float32")
+            squares = T.alloc_fragment((tile_tokens, depth), "float32")
+            row_squares = T.alloc_fragment((tile_tokens,), "float32")
+            sink = T.alloc_local((1,), "bfloat16")
+            T.clear(products)
+            T.clear(squares)
+            first_step = split * steps_per_split
+            steps = T.min(steps_per_split, T.ceildiv(features, depth) - first_step)
+            for step in T.Pipelined(steps, num_stages=stages):
+                first = (first_step + step) * depth
+                T.copy(x[tile * tile_tokens, first], x_shared)
+                T.copy(fn[0, first], fn_shared)
+                if weighted:
+                    T.copy(gamma[first], gamma_shared)
+                # Past the features TMA reads zeros, so the products are 0, as the fold's padding. Into
+                # registers first: TileLang orders shared reads and writes of one loop by a barrier each.
+                for k, c in T.Parallel(depth, columns):
+                    j = T.if_then_else(c < half, c, c - half)
+                    product = fn_shared[T.min(j, rows - 1), k]
+                    if weighted:
+                        product = product * gamma_shared[k]
+                    high, low = bf16_pair(T.if_then_else(j < rows, product, T.float32(0)))
+                    folded_local[k, c] = T.if_then_else(c < half, high, low)
+                release_after_thread_reads(sink_fn, fn_shared, gamma_shared if weighted else None)
+                T.copy(folded_local, folded_shared)
+                T.fence_proxy_async()  # each writing thread's, before the wgmma (async proxy) reads the tile
+                T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
                 for i, k in T.Parallel(tile_tokens, depth):
                     squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
                         x_shared[i, k], "float32"
@@ -1040,7 +1120,14 @@ def _tensor_cores(residual: torch.Tensor) -> bool:
 
 # The statistics GEMM's schedule, read at each call (committed values; a sweep changes them). ``depth``
 # divides MMA_DEPTH, the padding of the folded fn.
-MMA_SCHEDULE = {"depth": MMA_DEPTH, "stages": MMA_STAGES, "target_ctas": MMA_TARGET_CTAS, "tokens": MMA_TILE_TOKENS}
+MMA_SCHEDULE = {
+    "depth": MMA_DEPTH,
+    "stages": MMA_STAGES,
+    "target_ctas": MMA_TARGET_CTAS,
+    "tokens": MMA_TILE_TOKENS,
+    # norm_fn_fold_mma_kernel (the fold inside the GEMM) where fn and γ are TMA-ready; for the next sweep.
+    "fold_in_gemm": False,
+}
 
 
 def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
@@ -1091,8 +1178,16 @@ def _norm_fn_statistics_mma(
     half = 8 * ceil_div(rows, 8)  # wgmma's N comes in multiples of 8
     weighted = mhc_norm_weight is not None
     splits, per_split = _mma_splits(tokens, features)
-    split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
-    mma_kernel = norm_fn_mma_kernel(2 * half, MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"], MMA_SCHEDULE["tokens"])
+    depth, stages, tile_tokens = MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"], MMA_SCHEDULE["tokens"]
+    # TMA reads fn and γ in the fused form: contiguous, 16-byte aligned (features is a multiple of 128 here).
+    fold_in_gemm = MMA_SCHEDULE["fold_in_gemm"] and all(
+        t.is_contiguous() and address(t) % 16 == 0 for t in (mhc_fn, *([mhc_norm_weight] if weighted else []))
+    )
+    if fold_in_gemm:
+        mma_kernel = norm_fn_fold_mma_kernel(rows, half, weighted, depth, stages, tile_tokens)
+    else:
+        split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
+        mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     saved = statistics is not None  # (the forward's: it writes them)
     finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved, False)
@@ -1103,19 +1198,24 @@ def _norm_fn_statistics_mma(
     split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
     statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
     # Scratch, not outputs: every element is written before it is read.
-    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
     partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
     partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    split_kernel(
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        folded,
-        features,
-        *mhc_fn.stride(),
-        mhc_norm_weight.stride(0) if weighted else 0,
-    )
-    mma_kernel(residual.view(tokens, features), folded, partial, partial_sq, per_split)
+    x = residual.view(tokens, features)
+    if fold_in_gemm:
+        gamma = mhc_norm_weight if weighted else device_constant(F32, device)  # (not read unweighted)
+        mma_kernel(x, mhc_fn, gamma, partial, partial_sq, per_split)
+    else:
+        folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+        gamma = mhc_norm_weight if weighted else mhc_fn
+        split_kernel(
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            folded,
+            features,
+            *mhc_fn.stride(),
+            mhc_norm_weight.stride(0) if weighted else 0,
+        )
+        mma_kernel(x, folded, partial, partial_sq, per_split)
     finish_kernel(
         partial,
         partial_sq,
