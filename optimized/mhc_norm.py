@@ -724,7 +724,8 @@ def norm_fn_fold_mma_kernel(
             if weighted:
                 gamma_shared = T.alloc_shared((depth,), "float32")
             folded_shared = T.alloc_shared((depth, columns), "bfloat16")
-            folded_local = T.alloc_fragment((depth, columns), "bfloat16")
+            high_local = T.alloc_fragment((depth, half), "bfloat16")
+            low_local = T.alloc_fragment((depth, half), "bfloat16")
             sink_fn = T.alloc_local((1,), "float32")
             products = T.alloc_fragment((tile_tokens, columns), "float32")
             squares = T.alloc_fragment((tile_tokens, depth), "float32")
@@ -742,15 +743,14 @@ def norm_fn_fold_mma_kernel(
                     T.copy(gamma[first], gamma_shared)
                 # Past the features TMA reads zeros, so the products are 0, as the fold's padding. Into
                 # registers first: TileLang orders shared reads and writes of one loop by a barrier each.
-                for k, c in T.Parallel(depth, columns):
-                    j = T.if_then_else(c < half, c, c - half)
+                for k, j in T.Parallel(depth, half):
                     product = fn_shared[T.min(j, rows - 1), k]
                     if weighted:
                         product = product * gamma_shared[k]
-                    high, low = bf16_pair(T.if_then_else(j < rows, product, T.float32(0)))
-                    folded_local[k, c] = T.if_then_else(c < half, high, low)
+                    high_local[k, j], low_local[k, j] = bf16_pair(T.if_then_else(j < rows, product, T.float32(0)))
                 release_after_thread_reads(sink_fn, fn_shared, gamma_shared if weighted else None)
-                T.copy(folded_local, folded_shared)
+                T.copy(high_local, folded_shared[0:depth, 0:half])
+                T.copy(low_local, folded_shared[0:depth, half:columns])
                 T.fence_proxy_async()  # each writing thread's, before the wgmma (async proxy) reads the tile
                 T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
                 for i, k in T.Parallel(tile_tokens, depth):
