@@ -634,6 +634,26 @@ def release_after_thread_reads(sink, stage, other_stage=None):
         sink[0] = other_stage[(0,) * len(other_stage.shape)]
 
 
+@T.macro
+def accumulate_squares(squares, x_shared, tile_tokens: int, depth: int):
+    """``squares[i, k] += x[i, k]²`` (fp32) for the step's x tile: element-wise per step, reduced once at
+    the end, so no cross-thread sum in the loop."""
+    for i, k in T.Parallel(tile_tokens, depth):
+        squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(x_shared[i, k], "float32")
+
+
+@T.macro
+def store_statistics_partials(
+    products, squares, row_squares, partial, partial_sq, split, tile, tile_tokens: int, tokens
+):
+    """The split's partial products and Σx² of the tile's tokens (the tail's rows past ``tokens`` dropped)."""
+    T.reduce_sum(squares, row_squares, dim=1)
+    T.copy(products, partial[split, tile * tile_tokens, 0])
+    for i in T.Parallel(tile_tokens):
+        if tile * tile_tokens + i < tokens:
+            partial_sq[split, tile * tile_tokens + i] = row_squares[i]
+
+
 @jit(pass_configs=MMA_PASS_CONFIGS)
 def norm_fn_mma_kernel(
     columns: int, depth: int = MMA_DEPTH, stages: int = MMA_STAGES, tile_tokens: int = MMA_TILE_TOKENS
@@ -672,17 +692,11 @@ def norm_fn_mma_kernel(
                 T.copy(folded[(first_step + step) * depth, 0], folded_shared)
                 # Each warpgroup its own 64 tokens (rows), over all the columns.
                 T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
-                # Element-wise per step, reduced once at the end: no cross-thread sum in the loop.
-                for i, k in T.Parallel(tile_tokens, depth):
-                    squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
-                        x_shared[i, k], "float32"
-                    )
+                accumulate_squares(squares, x_shared, tile_tokens, depth)
                 release_after_thread_reads(sink, x_shared)
-            T.reduce_sum(squares, row_squares, dim=1)
-            T.copy(products, partial[split, tile * tile_tokens, 0])
-            for i in T.Parallel(tile_tokens):
-                if tile * tile_tokens + i < tokens:
-                    partial_sq[split, tile * tile_tokens + i] = row_squares[i]
+            store_statistics_partials(
+                products, squares, row_squares, partial, partial_sq, split, tile, tile_tokens, tokens
+            )
 
     return kernel
 
@@ -753,16 +767,11 @@ def norm_fn_fold_mma_kernel(
                 T.copy(low_local, folded_shared[0:depth, half:columns])
                 T.fence_proxy_async()  # each writing thread's, before the wgmma (async proxy) reads the tile
                 T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
-                for i, k in T.Parallel(tile_tokens, depth):
-                    squares[i, k] = squares[i, k] + T.cast(x_shared[i, k], "float32") * T.cast(
-                        x_shared[i, k], "float32"
-                    )
+                accumulate_squares(squares, x_shared, tile_tokens, depth)
                 release_after_thread_reads(sink, x_shared)
-            T.reduce_sum(squares, row_squares, dim=1)
-            T.copy(products, partial[split, tile * tile_tokens, 0])
-            for i in T.Parallel(tile_tokens):
-                if tile * tile_tokens + i < tokens:
-                    partial_sq[split, tile * tile_tokens + i] = row_squares[i]
+            store_statistics_partials(
+                products, squares, row_squares, partial, partial_sq, split, tile, tile_tokens, tokens
+            )
 
     return kernel
 
