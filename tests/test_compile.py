@@ -5,6 +5,8 @@ GPU; this is what keeps a kernel that no longer builds from landing. The kernel 
 the checkout (``.tilelang-cache``, set by conftest), so repeated runs are fast.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -391,6 +393,8 @@ def _norm_fn_pipelined_kernels():
         ),
         "statistics m4": lambda: mhc_norm.norm_fn_mma_kernel(16, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
         "statistics m24": lambda: mhc_norm.norm_fn_mma_kernel(48, mhc_norm.MMA_DEPTH, mhc_norm.MMA_STAGES),
+        # The fold inside the GEMM (a schedule option): fn's rows and γ are read by the threads too.
+        "statistics m24 fold": lambda: mhc_norm.norm_fn_fold_mma_kernel(24, 24, True),
     }
 
 
@@ -404,22 +408,25 @@ def test_pipelined_x_tiles_go_back_to_the_tma_producer_after_a_proxy_fence(name)
     source = _norm_fn_pipelined_kernels()[name]().kernel.get_kernel_source()
     lines = [line.strip() for line in source.splitlines()]
     fences = [index for index, line in enumerate(lines) if line == "tl::fence_proxy_async();"]
-    # The tiles TMA fills and the threads read: x, and the addend where it comes through the pipeline.
-    tiles = ["x_shared"] + (["addend_shared"] if "addend_shared" in source else [])
+    # The tiles TMA fills and the threads read: x, the addend where it comes through the pipeline, and
+    # fn's rows and γ where the fold runs inside the GEMM.
+    tiles = [tile for tile in ("x_shared", "addend_shared", "fn_shared", "gamma_shared") if f"*){tile})" in source]
+
+    def dead_read(line: str, tile: str) -> bool:
+        return re.match(rf"sink\w*\[0\] = \(\((bfloat16_t|float)\*\){tile}\)", line) is not None
+
     for tile in tiles:
-        fenced = [
-            index
-            for index in fences
-            if any(lines[index + 1 + 2 * k].startswith(f"sink[0] = ((bfloat16_t*){tile})") for k in range(len(tiles)))
-        ]
+        fenced = [index for index in fences if any(dead_read(line, tile) for line in lines[index + 1 : index + 5])]
         assert len(fenced) == 1, f"{name}: no proxy fence followed by the dead read of {tile}"
         fence = fenced[0]
-        read = next(i for i in range(fence + 1, fence + 1 + 2 * len(tiles)) if f"*){tile})" in lines[i])
+        read = next(i for i in range(fence + 1, fence + 5) if dead_read(lines[i], tile))
         assert lines[read + 1].startswith("mbarrier[") and lines[read + 1].endswith("].arrive();"), lines[read + 1]
         plain_reads = [
             index
             for index, line in enumerate(lines)
-            if f"= *(uint1*)(((bfloat16_t*){tile})" in line
-            or (f"((bfloat16_t*){tile})[" in line and not line.startswith("sink[0]"))
+            if re.search(rf"\(\((bfloat16_t|float)\*\){tile}\)", line)
+            and not dead_read(line, tile)
+            and "= " in line
+            and line.index("= ") < line.index(f"{tile})")
         ]
         assert plain_reads and max(plain_reads) < fence, f"{name}: a plain read of {tile} after the fence"
