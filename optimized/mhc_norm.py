@@ -616,22 +616,18 @@ MMA_PASS_CONFIGS = {
 
 
 @T.macro
-def release_after_thread_reads(sink, stage, other_stage=None):
-    """End a pipelined loop body whose threads read ``stage`` (and ``other_stage``: TMA-filled shared
-    buffers) with plain loads: a proxy fence, then a dead read of each that TileLang's warp
-    specialization takes as the buffer's last use, so the barrier arrival that hands it back to the
-    TMA producer (one barrier per buffer) comes after the fence. Without it the arrival issues while
-    the loads are still in flight (ptxas waits for them only where their registers are used, after
-    it), and the TMA load of the tile two steps on can overwrite the buffer under them:
-    generic-proxy reads are not ordered before async-proxy writes by the barrier alone. Seen on the
-    H200 as nondeterministic 16-byte groups of dx in the norm-fn backward with 4 and 8 mixes. The
-    fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads; nvcc drops the dead reads."""
+def release_after_thread_reads(sink, stage):
+    """End a pipelined loop body whose threads read ``stage`` (a TMA-filled shared buffer) with plain
+    loads: a proxy fence, then a dead read that TileLang's warp specialization takes as the buffer's
+    last use, so the barrier arrival that hands it back to the TMA producer (one barrier per buffer)
+    comes after the fence. Without it the arrival issues while the loads are still in flight (ptxas
+    waits for them only where their registers are used, after it), and the TMA load of the tile two
+    steps on can overwrite the buffer under them: generic-proxy reads are not ordered before
+    async-proxy writes by the barrier alone. Seen on the H200 as nondeterministic 16-byte groups of dx
+    in the norm-fn backward with 4 and 8 mixes. The fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the
+    loads; nvcc drops the dead read."""
     T.fence_proxy_async()
-    # Two parameters, not a loop over a tuple: in a macro a Python loop becomes a kernel loop, and
-    # TileLang's builder renames a buffer after the variable bound to it.
     sink[0] = stage[(0,) * len(stage.shape)]
-    if other_stage is not None:
-        sink[0] = other_stage[(0,) * len(other_stage.shape)]
 
 
 @T.macro
@@ -691,81 +687,6 @@ def norm_fn_mma_kernel(
                 T.copy(x[tile * tile_tokens, (first_step + step) * depth], x_shared)
                 T.copy(folded[(first_step + step) * depth, 0], folded_shared)
                 # Each warpgroup its own 64 tokens (rows), over all the columns.
-                T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
-                accumulate_squares(squares, x_shared, tile_tokens, depth)
-                release_after_thread_reads(sink, x_shared)
-            store_statistics_partials(
-                products, squares, row_squares, partial, partial_sq, split, tile, tile_tokens, tokens
-            )
-
-    return kernel
-
-
-@jit(pass_configs=MMA_PASS_CONFIGS)
-def norm_fn_fold_mma_kernel(
-    rows: int,
-    half: int,
-    weighted: bool,
-    depth: int = MMA_DEPTH,
-    stages: int = MMA_STAGES,
-    tile_tokens: int = MMA_TILE_TOKENS,
-):
-    """``norm_fn_mma_kernel`` with the fold inside: each step's fn rows (and γ) come by TMA with the x
-    tile, and the consumers write that step's ``[hi | lo]`` columns of ``fn·γ`` into shared memory as
-    ``folded_fn_split_kernel`` does (the same products and splits: the same bits), so no fold launch
-    and no folded copy in memory. fn is a contiguous fp32 ``[rows, features]`` and γ a contiguous fp32
-    ``[features]`` (16-byte aligned; the launcher checks), both read from L2 by every tile as the folded
-    columns were (4 bytes per element either way); ``half`` columns each, zero past ``rows``."""
-    columns = 2 * half
-    tokens = T.dynamic("tokens")
-    features = T.dynamic("features")
-    splits = T.dynamic("splits")
-    gamma_span = T.dynamic("gamma_span")
-
-    @T.prim_func
-    def kernel(
-        x: T.Tensor((tokens, features), "bfloat16"),
-        fn: T.Tensor((rows, features), "float32"),
-        gamma: T.Tensor((gamma_span,), "float32"),
-        partial: T.Tensor((splits, tokens, columns), "float32"),
-        partial_sq: T.Tensor((splits, tokens), "float32"),
-        steps_per_split: T.int32,
-    ):
-        warpgroups = tile_tokens // MMA_TOKENS
-        with T.Kernel(T.ceildiv(tokens, tile_tokens), splits, threads=MMA_THREADS * warpgroups) as (tile, split):
-            x_shared = T.alloc_shared((tile_tokens, depth), "bfloat16")
-            fn_shared = T.alloc_shared((rows, depth), "float32")
-            if weighted:
-                gamma_shared = T.alloc_shared((depth,), "float32")
-            folded_shared = T.alloc_shared((depth, columns), "bfloat16")
-            high_local = T.alloc_fragment((depth, half), "bfloat16")
-            low_local = T.alloc_fragment((depth, half), "bfloat16")
-            sink_fn = T.alloc_local((1,), "float32")
-            products = T.alloc_fragment((tile_tokens, columns), "float32")
-            squares = T.alloc_fragment((tile_tokens, depth), "float32")
-            row_squares = T.alloc_fragment((tile_tokens,), "float32")
-            sink = T.alloc_local((1,), "bfloat16")
-            T.clear(products)
-            T.clear(squares)
-            first_step = split * steps_per_split
-            steps = T.min(steps_per_split, T.ceildiv(features, depth) - first_step)
-            for step in T.Pipelined(steps, num_stages=stages):
-                first = (first_step + step) * depth
-                T.copy(x[tile * tile_tokens, first], x_shared)
-                T.copy(fn[0, first], fn_shared)
-                if weighted:
-                    T.copy(gamma[first], gamma_shared)
-                # Past the features TMA reads zeros, so the products are 0, as the fold's padding. Into
-                # registers first: TileLang orders shared reads and writes of one loop by a barrier each.
-                for k, j in T.Parallel(depth, half):
-                    product = fn_shared[T.min(j, rows - 1), k]
-                    if weighted:
-                        product = product * gamma_shared[k]
-                    high_local[k, j], low_local[k, j] = bf16_pair(T.if_then_else(j < rows, product, T.float32(0)))
-                release_after_thread_reads(sink_fn, fn_shared, gamma_shared if weighted else None)
-                T.copy(high_local, folded_shared[0:depth, 0:half])
-                T.copy(low_local, folded_shared[0:depth, half:columns])
-                T.fence_proxy_async()  # each writing thread's, before the wgmma (async proxy) reads the tile
                 T.gemm(x_shared, folded_shared, products, policy=T.GemmWarpPolicy.FullRow)
                 accumulate_squares(squares, x_shared, tile_tokens, depth)
                 release_after_thread_reads(sink, x_shared)
@@ -893,7 +814,6 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
-    store_in_addend: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
@@ -911,11 +831,11 @@ def norm_fn_grad_mma_kernel(
     again for dfn: 8 KB less per 64-token tile with 24 mixes. ``addend_stage`` (with ``accumulate``;
     ``addend`` then ``[T, nC]``, 16-byte aligned): the addend tile comes through the pipeline by TMA
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
-    for. ``store_in_addend`` (with ``addend_stage``): the staged dx store goes through the addend's
-    stage buffer, once read, instead of a tile of its own (16 KB: with 24 mixes, the room a second
-    CTA per SM needs); the buffer goes back to the producer after the TMA store has read it."""
-    if store_in_addend and not (addend_stage and accumulate):
-        raise ValueError("store_in_addend needs addend_stage and accumulate")
+    for; dres then leaves through that stage buffer, once read, by one bulk copy (``staged_store``
+    without a tile of its own: 16 KB, with 24 mixes the room a second CTA per SM needs), and the
+    buffer goes back to the producer after the TMA store has read it."""
+    if addend_stage and not accumulate:
+        raise ValueError("addend_stage needs accumulate (an addend to load)")
     out_dtype = "bfloat16" if accumulate else "float32"
     width = 3 * slots
     consumer_registers = min(240, (65536 // min_blocks // MMA_THREADS - 24) // 8 * 8)
@@ -957,7 +877,7 @@ def norm_fn_grad_mma_kernel(
                 # Swizzled (TMA writes it so): the threads read it in the accumulator's row pattern,
                 # eight rows 256 bytes apart per load, all in one bank unswizzled.
                 T.annotate_layout({addend_shared: tilelang.layout.make_swizzled_layout(addend_shared)})
-            if staged_store and not store_in_addend:
+            if staged_store and not addend_stage:
                 dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
@@ -995,38 +915,33 @@ def norm_fn_grad_mma_kernel(
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
-                    if store_in_addend:
-                        # The addend tile's own release follows its last use, the TMA store below.
-                        release_after_thread_reads(sink, x_shared)
-                        T.copy(dx_out, addend_shared)
-                        T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
-                        T.copy(addend_shared, dres[token, first])
-                    else:
-                        release_after_thread_reads(sink, x_shared, addend_shared)
+                    release_after_thread_reads(sink, x_shared)
+                    # The addend's stage goes back to the producer after its last use, the TMA
+                    # store's read (TileLang waits for it before that barrier's arrival).
+                    T.copy(dx_out, addend_shared)
+                    T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
+                    T.copy(addend_shared, dres[token, first])
                 else:
                     release_after_thread_reads(sink, x_shared)
-                if store_in_addend:
-                    pass  # stored above, through the addend's stage buffer
-                elif accumulate:
-                    if not addend_stage:
+                    if accumulate:
                         # The tail's clamped reads are of elements whose stores are dropped.
                         for i, k in T.Parallel(MMA_TOKENS, block_features):
                             at = T.cast(T.min(token + i, tokens - 1), "int64") * features + T.min(
                                 first + k, features - 1
                             )
                             dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend[at], "float32"), out_dtype)
-                    if staged_store:
-                        T.copy(dx_out, dx_shared)
-                        T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
+                        if staged_store:
+                            T.copy(dx_out, dx_shared)
+                            T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
+                            T.copy(dx_shared, dres[token, first])
+                        else:
+                            T.copy(dx_out, dres[token, first])
+                    elif staged_store:
+                        T.copy(dx, dx_shared)
+                        T.fence_proxy_async()
                         T.copy(dx_shared, dres[token, first])
                     else:
-                        T.copy(dx_out, dres[token, first])
-                elif staged_store:
-                    T.copy(dx, dx_shared)
-                    T.fence_proxy_async()
-                    T.copy(dx_shared, dres[token, first])
-                else:
-                    T.copy(dx, dres[token, first])
+                        T.copy(dx, dres[token, first])
             # Stored as accumulated, hi and lo columns apart (the reduction adds them): no fp32 tile
             # in shared memory, whose 32 KB would keep a second CTA off the SM.
             T.copy(dfn, partial[split, first, 0])
@@ -1046,8 +961,11 @@ def norm_fn_grad_mma_kernel(
 # With the addend, each thread loaded its addend elements after the GEMMs and every tile waited for
 # DRAM: the addend tile through the pipeline by TMA with x's (addend_stage) with shared_pair takes the
 # layers' call (addend + statistics, T 8192 C 7168) from 691 to 535 µs, T 4001 C 7168 434 -> 357, same
-# bits; the staged dx store then pays only where two CTAs still fit on an SM (m <= 16: 336 -> 208 with
-# m 4; with 24 mixes it leaves one CTA per SM, 662). Sweep: norm-grad-addend-stage-h200-sweep.json.
+# bits; the staged dx store then paid only where two CTAs still fit on an SM (m <= 16: 336 -> 208 with
+# m 4; with 24 mixes its own tile left one CTA per SM, 662). Sweep: norm-grad-addend-stage-h200-sweep.json.
+# Staged through the addend's stage buffer instead (no tile of its own, two CTAs per SM with 24 mixes
+# too): 534 -> 457 µs at T 8192 C 7168 (addend + statistics), T 8192 C 4096 384 -> 349, m 4 unchanged,
+# same bits everywhere. Sweep: norm-grad-store-in-addend-h200-sweep.json.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
@@ -1057,7 +975,6 @@ GRAD_MMA_SCHEDULE = {
     "addend_stage": False,
 }
 GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
-GRAD_MMA_STAGED_ADDEND_SLOTS = 16  # slots up to which the addend schedule stages its dx store too
 # An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
 GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
 FINISH_SCHEDULE = {"threads": FINISH_THREADS}
@@ -1088,7 +1005,7 @@ def _tensor_core_gradients(
     elif address(addend) % 16:
         schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
     else:
-        schedule = {**GRAD_MMA_ADDEND_SCHEDULE, "staged_store": slots <= GRAD_MMA_STAGED_ADDEND_SLOTS}
+        schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
     splits, per_split = _grad_mma_splits(tokens, features, GRAD_MMA_TARGET_CTAS * schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
@@ -1134,8 +1051,6 @@ MMA_SCHEDULE = {
     "stages": MMA_STAGES,
     "target_ctas": MMA_TARGET_CTAS,
     "tokens": MMA_TILE_TOKENS,
-    # norm_fn_fold_mma_kernel (the fold inside the GEMM) where fn and γ are TMA-ready; for the next sweep.
-    "fold_in_gemm": False,
 }
 
 
@@ -1188,15 +1103,8 @@ def _norm_fn_statistics_mma(
     weighted = mhc_norm_weight is not None
     splits, per_split = _mma_splits(tokens, features)
     depth, stages, tile_tokens = MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"], MMA_SCHEDULE["tokens"]
-    # TMA reads fn and γ in the fused form: contiguous, 16-byte aligned (features is a multiple of 128 here).
-    fold_in_gemm = MMA_SCHEDULE["fold_in_gemm"] and all(
-        t.is_contiguous() and address(t) % 16 == 0 for t in (mhc_fn, *([mhc_norm_weight] if weighted else []))
-    )
-    if fold_in_gemm:
-        mma_kernel = norm_fn_fold_mma_kernel(rows, half, weighted, depth, stages, tile_tokens)
-    else:
-        split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
-        mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
+    split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
+    mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     saved = statistics is not None  # (the forward's: it writes them)
     finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved, False)
@@ -1210,21 +1118,17 @@ def _norm_fn_statistics_mma(
     partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
     partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
     x = residual.view(tokens, features)
-    if fold_in_gemm:
-        gamma = mhc_norm_weight if weighted else device_constant(F32, device)  # (not read unweighted)
-        mma_kernel(x, mhc_fn, gamma, partial, partial_sq, per_split)
-    else:
-        folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
-        gamma = mhc_norm_weight if weighted else mhc_fn
-        split_kernel(
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            folded,
-            features,
-            *mhc_fn.stride(),
-            mhc_norm_weight.stride(0) if weighted else 0,
-        )
-        mma_kernel(x, folded, partial, partial_sq, per_split)
+    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+    gamma = mhc_norm_weight if weighted else mhc_fn
+    split_kernel(
+        flat_view(mhc_fn),
+        flat_view(gamma),
+        folded,
+        features,
+        *mhc_fn.stride(),
+        mhc_norm_weight.stride(0) if weighted else 0,
+    )
+    mma_kernel(x, folded, partial, partial_sq, per_split)
     finish_kernel(
         partial,
         partial_sq,
