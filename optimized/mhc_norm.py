@@ -86,9 +86,9 @@ MMA_STAGES = 3
 # shape alone (never the SM count), so the summation order, and so the bits, are the same on any GPU.
 # H200 sweeps: with 128-token tiles 128 CTAs (one wave on 132 SMs) beat 192 and 256 by 4-11 %.
 MMA_TARGET_CTAS = 128
-# One warp per CTA: the per-token epilogue reads and writes ~50 floats per token with little else to
-# hide the latency, so more, smaller CTAs (H200, T 8192 C 7168: 27 → 19 µs backward, 8.5 → 5.5 forward).
-FINISH_THREADS = 32
+# The per-token epilogue's CTA: tokens and threads (its per-element work over all of them).
+FINISH_TOKENS = 32
+FINISH_THREADS = 128
 SPLIT_THREADS = 128
 SPLIT_FEATURES = 64  # a divisor of MMA_DEPTH and GRAD_MMA_FEATURES (the padded feature counts)
 # Backward to x and fn on tensor cores: CTAs of GRAD_MMA_FEATURES features walk token tiles of
@@ -713,12 +713,13 @@ def norm_fn_finish_kernel(
     half: int,
     backward: bool,
     slots: int = 0,
-    threads: int = FINISH_THREADS,
     save_statistics: bool = False,
     from_statistics: bool = False,
+    tile_tokens: int = FINISH_TOKENS,
+    threads: int = FINISH_THREADS,
 ):
-    """One thread per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits
-    in order; the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then
+    """Per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits in order;
+    the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then
     ``norm_fn_kernel``'s epilogue: forward
     ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
     ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
@@ -728,10 +729,12 @@ def norm_fn_finish_kernel(
     summed from the partials (which are then not read), so the results are the recomputing ones, bit
     for bit, when the statistics come from the same GEMM schedule.
 
-    Every per-token row (partials, statistics, grad, out, dsplit) moves between global and shared
-    memory in whole CTA blocks, consecutive threads on consecutive elements; each thread then walks
-    its token's row in shared memory (rows padded to an odd word count). A thread's own loads and
-    stores of a 100-200-byte row were a separate memory transaction per element and warp."""
+    A CTA of ``threads`` takes ``tile_tokens`` tokens. What is per element (the split sums, ``out``,
+    the bf16 splits) runs over all its threads, what is per token (``sq``, ``rstd``, the ``dmul·mul``
+    sum in row order) on one thread per token; every per-token row moves between global and shared
+    memory in whole blocks, consecutive threads on consecutive elements (shared rows of an odd word
+    count: no bank conflicts). One thread per token for everything left ~900 dependent instructions
+    per warp with a warp or two per SM (H200, T 8192: 19 µs backward, 5.5 forward)."""
     columns = 2 * half
     width = rows + 1 if backward else rows
     split_words = 3 * slots // 2  # slots is a multiple of 16: whole words of bf16 pairs
@@ -755,94 +758,86 @@ def norm_fn_finish_kernel(
         grad_col_stride: T.int32,
         eps: T.float32,
     ):
-        with T.Kernel(T.ceildiv(tokens, threads), threads=threads) as (block,):
+        with T.Kernel(T.ceildiv(tokens, tile_tokens), threads=threads) as (block,):
             tx = T.get_thread_binding()
-            mul = T.alloc_local((rows,), "float32")
-            low = T.alloc_local((rows,), "float32")
+            # Per token [mul (rows) | sq]: read (from_statistics) or summed here.
+            statistics_tile = T.alloc_shared((tile_tokens, odd_words(rows + 1)), "float32")
+            rstd_tile = T.alloc_shared((tile_tokens,), "float32")
+            out_tile = T.alloc_shared((tile_tokens, odd_words(width)), "float32")
+            if backward:
+                grad_tile = T.alloc_shared((tile_tokens, odd_words(rows)), "float32")
+            if slots:
+                dsplit_tile = T.alloc_shared((tile_tokens, 2 * odd_words(split_words)), "bfloat16")
+            if not from_statistics:
+                high = T.alloc_fragment((tile_tokens, rows), "float32")
+                low = T.alloc_fragment((tile_tokens, rows), "float32")
             sq = T.alloc_local((1,), "float32")
             dot = T.alloc_local((1,), "float32")
-            out_tile = T.alloc_shared((threads, odd_words(width)), "float32")
-            if from_statistics or save_statistics:
-                statistics_tile = T.alloc_shared((threads, odd_words(rows + 1)), "float32")
-            if not from_statistics:
-                partial_tile = T.alloc_shared((threads, odd_words(columns)), "float32")
+            first = block * tile_tokens
             if backward:
-                grad_tile = T.alloc_shared((threads, odd_words(rows)), "float32")
-            if slots:
-                dsplit_tile = T.alloc_shared((threads, 2 * odd_words(split_words)), "bfloat16")
-            first = block * threads
-            token = first + tx
-            if backward:
-                # First, so that its loads are in flight with the statistics' or partials'.
-                for i, c in T.Parallel(threads, rows):
-                    if first + i < tokens:
-                        grad_tile[i, c] = grad[
-                            T.cast(first + i, "int64") * grad_token_stride + T.cast(c, "int64") * grad_col_stride
+                for t, j in T.Parallel(tile_tokens, rows):
+                    if first + t < tokens:
+                        grad_tile[t, j] = grad[
+                            T.cast(first + t, "int64") * grad_token_stride + T.cast(j, "int64") * grad_col_stride
                         ]
             if from_statistics:
-                for i, c in T.Parallel(threads, rows + 1):
-                    if first + i < tokens:
-                        statistics_tile[i, c] = statistics[T.cast(first + i, "int64") * (rows + 1) + c]
-                for j in T.unroll(rows):
-                    # mul holds the whole product (hi and lo parts summed by the forward).
-                    mul[j] = statistics_tile[tx, j]
-                sq[0] = statistics_tile[tx, rows]
+                for t, c in T.Parallel(tile_tokens, rows + 1):
+                    if first + t < tokens:
+                        statistics_tile[t, c] = statistics[T.cast(first + t, "int64") * (rows + 1) + c]
             else:
-                for j in T.unroll(rows):
-                    mul[j] = T.float32(0)
-                    low[j] = T.float32(0)
-                sq[0] = T.float32(0)
+                T.clear(high)
+                T.clear(low)
                 for s in T.serial(splits):
-                    for i, c in T.Parallel(threads, columns):
-                        if first + i < tokens:
-                            partial_tile[i, c] = partial[s, first + i, c]
-                    for j in T.unroll(rows):
-                        mul[j] = mul[j] + partial_tile[tx, j]
-                        low[j] = low[j] + partial_tile[tx, half + j]
-                    sq[0] = sq[0] + partial_sq[s, T.min(token, tokens - 1)]
-                for j in T.unroll(rows):
+                    for t, j in T.Parallel(tile_tokens, rows):
+                        token = T.min(first + t, tokens - 1)
+                        high[t, j] = high[t, j] + partial[s, token, j]
+                        low[t, j] = low[t, j] + partial[s, token, half + j]
+                for t, j in T.Parallel(tile_tokens, rows):
                     # lo corrects a finite hi; an infinite hi (an infinite x) is the product, as in
                     # fp32, where lo would add inf·0 or the other infinity from the split of fn (NaN).
-                    mul[j] = T.if_then_else(T.abs(mul[j]) <= T.float32(FLOAT32_MAX), mul[j] + low[j], mul[j])
-                if save_statistics:
-                    for j in T.unroll(rows):
-                        statistics_tile[tx, j] = mul[j]
-                    statistics_tile[tx, rows] = sq[0]
+                    statistics_tile[t, j] = T.if_then_else(
+                        T.abs(high[t, j]) <= T.float32(FLOAT32_MAX), high[t, j] + low[t, j], high[t, j]
+                    )
             count = T.cast(features, "float32")
-            rstd = T.rsqrt(T.ieee_fdiv(sq[0], count) + eps)
-            if backward:
-                dot[0] = T.float32(0)
-                for j in T.unroll(rows):
-                    g = grad_tile[tx, j]
-                    dot[0] = dot[0] + g * mul[j]
-                    out_tile[tx, j] = g * rstd
-                out_tile[tx, rows] = T.ieee_fdiv(-dot[0] * rstd, sq[0] + eps * count)
-                if slots:
-                    for j in T.unroll(slots):
-                        value = T.if_then_else(j < rows, out_tile[tx, T.min(j, rows - 1)], T.float32(0))
-                        # (Not ``low``: that name is the lo-part sums above.)
-                        dmul_high, dmul_low = bf16_pair(value)
-                        dsplit_tile[tx, j] = dmul_high
-                        dsplit_tile[tx, slots + j] = dmul_low
-                        # An infinite dmul meets fn's lo part, whose sign is not fn's: inf·lo could be
-                        # the opposite infinity of inf·hi (NaN where fp32 has fn·inf). Its hi·hi
-                        # product alone gives the fp32 answer.
-                        dsplit_tile[tx, 2 * slots + j] = T.if_then_else(
-                            T.abs(value) <= T.float32(FLOAT32_MAX), dmul_high, T.bfloat16(0)
-                        )
-                    for i, c in T.Parallel(threads, 3 * slots):
-                        if first + i < tokens:
-                            dsplit[T.cast(first + i, "int64") * (3 * slots) + c] = dsplit_tile[i, c]
-            else:
-                for j in T.unroll(rows):
-                    out_tile[tx, j] = mul[j] * rstd
-            for i, c in T.Parallel(threads, width):
-                if first + i < tokens:
-                    out[T.cast(first + i, "int64") * width + c] = out_tile[i, c]
+            if tx < tile_tokens:
+                if from_statistics:
+                    sq[0] = statistics_tile[tx, rows]
+                else:
+                    sq[0] = T.float32(0)
+                    for s in T.serial(splits):
+                        sq[0] = sq[0] + partial_sq[s, T.min(first + tx, tokens - 1)]
+                    statistics_tile[tx, rows] = sq[0]
+                rstd_tile[tx] = T.rsqrt(T.ieee_fdiv(sq[0], count) + eps)
+                if backward:
+                    dot[0] = T.float32(0)
+                    for j in T.unroll(rows):
+                        dot[0] = dot[0] + grad_tile[tx, j] * statistics_tile[tx, j]
+                    out_tile[tx, rows] = T.ieee_fdiv(-dot[0] * rstd_tile[tx], sq[0] + eps * count)
+            for t, j in T.Parallel(tile_tokens, rows):
+                out_tile[t, j] = (grad_tile[t, j] if backward else statistics_tile[t, j]) * rstd_tile[t]
+            if slots:
+                for t, j in T.Parallel(tile_tokens, slots):
+                    # dmul again (the same product as out's), zero past the rows.
+                    value = T.if_then_else(j < rows, grad_tile[t, T.min(j, rows - 1)] * rstd_tile[t], T.float32(0))
+                    dmul_high, dmul_low = bf16_pair(value)
+                    dsplit_tile[t, j] = dmul_high
+                    dsplit_tile[t, slots + j] = dmul_low
+                    # An infinite dmul meets fn's lo part, whose sign is not fn's: inf·lo could be the
+                    # opposite infinity of inf·hi (NaN where fp32 has fn·inf). Its hi·hi product alone
+                    # gives the fp32 answer.
+                    dsplit_tile[t, 2 * slots + j] = T.if_then_else(
+                        T.abs(value) <= T.float32(FLOAT32_MAX), dmul_high, T.bfloat16(0)
+                    )
+                for t, c in T.Parallel(tile_tokens, 3 * slots):
+                    if first + t < tokens:
+                        dsplit[T.cast(first + t, "int64") * (3 * slots) + c] = dsplit_tile[t, c]
+            for t, c in T.Parallel(tile_tokens, width):
+                if first + t < tokens:
+                    out[T.cast(first + t, "int64") * width + c] = out_tile[t, c]
             if save_statistics:
-                for i, c in T.Parallel(threads, rows + 1):
-                    if first + i < tokens:
-                        statistics[T.cast(first + i, "int64") * (rows + 1) + c] = statistics_tile[i, c]
+                for t, c in T.Parallel(tile_tokens, rows + 1):
+                    if first + t < tokens:
+                        statistics[T.cast(first + t, "int64") * (rows + 1) + c] = statistics_tile[t, c]
 
     return kernel
 
@@ -1021,7 +1016,7 @@ GRAD_MMA_SCHEDULE = {
 GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
 # An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
 GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
-FINISH_SCHEDULE = {"threads": FINISH_THREADS}
+FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
 GRAD_REDUCE_SCHEDULE = {"threads": REDUCE_THREADS}  # norm_fn_reduce_columns_kernel's CTA (features per CTA)
 
 
@@ -1114,7 +1109,7 @@ def _backward_from_statistics(grad, out, statistics, features: int, eps: float, 
     tokens, rows = grad.shape
     half = 8 * ceil_div(rows, 8)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    finish_kernel = norm_fn_finish_kernel(rows, half, True, slots, FINISH_SCHEDULE["threads"], False, True)
+    finish_kernel = norm_fn_finish_kernel(rows, half, True, slots, from_statistics=True, **FINISH_SCHEDULE)
     if compiling_only():
         return
     device = grad.device
@@ -1152,7 +1147,7 @@ def _norm_fn_statistics_mma(
     mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     saved = statistics is not None  # (the forward's: it writes them)
-    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, FINISH_SCHEDULE["threads"], saved, False)
+    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, save_statistics=saved, **FINISH_SCHEDULE)
     if compiling_only():
         return
     device = residual.device
