@@ -586,7 +586,7 @@ def folded_fn_split_kernel(rows: int, slots: int, weighted: bool, stacked: bool,
             products = T.alloc_fragment((slots, SPLIT_FEATURES), "float32")
             first = block * SPLIT_FEATURES
             # Every load first, then the splits: interleaved with the tile's stores, each thread's
-            # loads went out one after another: 7.7 → 3.8 µs at C 7168, H200).
+            # loads went out one after another (7.7 → 3.8 µs at C 7168, H200).
             for j, column in T.Parallel(slots, SPLIT_FEATURES):
                 k = T.min(first + column, features - 1)
                 product = fn[T.cast(T.min(j, rows - 1), "int64") * fn_row_stride + T.cast(k, "int64") * fn_col_stride]
