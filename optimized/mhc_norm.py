@@ -622,18 +622,22 @@ MMA_PASS_CONFIGS = {
 
 
 @T.macro
-def release_after_thread_reads(sink, stage):
-    """End a pipelined loop body whose threads read ``stage`` (a TMA-filled shared buffer) with plain
-    loads: a proxy fence, then a dead read that TileLang's warp specialization takes as the buffer's
-    last use, so the barrier arrival that hands it back to the TMA producer (one barrier per buffer)
-    comes after the fence. Without it the arrival issues while the loads are still in flight (ptxas
-    waits for them only where their registers are used, after it), and the TMA load of the tile two
-    steps on can overwrite the buffer under them: generic-proxy reads are not ordered before
-    async-proxy writes by the barrier alone. Seen on the H200 as nondeterministic 16-byte groups of dx
-    in the norm-fn backward with 4 and 8 mixes. The fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the
-    loads; nvcc drops the dead read."""
+def release_after_thread_reads(sink, stage, other_stage=None):
+    """End a pipelined loop body whose threads read ``stage`` (and ``other_stage``: TMA-filled shared
+    buffers) with plain loads: a proxy fence, then a dead read of each that TileLang's warp
+    specialization takes as the buffer's last use, so the barrier arrival that hands it back to the
+    TMA producer (one barrier per buffer) comes after the fence. Without it the arrival issues while
+    the loads are still in flight (ptxas waits for them only where their registers are used, after
+    it), and the TMA load of the tile two steps on can overwrite the buffer under them:
+    generic-proxy reads are not ordered before async-proxy writes by the barrier alone. Seen on the
+    H200 as nondeterministic 16-byte groups of dx in the norm-fn backward with 4 and 8 mixes. The
+    fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads; nvcc drops the dead reads."""
     T.fence_proxy_async()
+    # Two parameters, not a loop over a tuple: in a macro a Python loop becomes a kernel loop, and
+    # TileLang's builder renames a buffer after the variable bound to it.
     sink[0] = stage[(0,) * len(stage.shape)]
+    if other_stage is not None:
+        sink[0] = other_stage[(0,) * len(other_stage.shape)]
 
 
 @T.macro
@@ -723,9 +727,10 @@ def norm_fn_finish_kernel(
     """Per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits in order;
     the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then
     ``norm_fn_kernel``'s epilogue: forward
-    ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]`` and, with
-    ``slots``, ``dsplit[t]`` = dmul as bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each,
-    zero past ``rows``; the second hi is 0 where dmul is not finite) for ``norm_fn_grad_mma_kernel``.
+    ``out[t, j] = mul·rsqrt(sq/nC + eps)``; backward ``out[t] = [dmul (rows) | 2·dsq]``, or with
+    ``slots`` (for ``norm_fn_grad_mma_kernel``) ``out[t] = 2·dsq`` alone and ``dsplit[t]`` = dmul as
+    bf16 ``[hi | lo | hi]`` (``bf16_pair``; ``slots`` columns each, zero past ``rows``; the second hi
+    is 0 where dmul is not finite).
     ``save_statistics`` (forward): also ``statistics[t] = [mul_j + low_j (rows) | sq]``, the values the
     epilogue used. ``from_statistics`` (backward): those values read from ``statistics`` instead of
     summed from the partials (which are then not read), so the results are the recomputing ones, bit
@@ -815,8 +820,9 @@ def norm_fn_finish_kernel(
                     for j in T.unroll(rows):
                         dot[0] = dot[0] + grad_tile[tx, j] * statistics_tile[tx, j]
                     out_tile[tx, rows] = T.ieee_fdiv(-dot[0] * rstd_tile[tx], sq[0] + eps * count)
-            for t, j in T.Parallel(tile_tokens, rows):
-                out_tile[t, j] = (grad_tile[t, j] if backward else statistics_tile[t, j]) * rstd_tile[t]
+            if not slots:
+                for t, j in T.Parallel(tile_tokens, rows):
+                    out_tile[t, j] = (grad_tile[t, j] if backward else statistics_tile[t, j]) * rstd_tile[t]
             if slots:
                 for t, j in T.Parallel(tile_tokens, slots):
                     # dmul again (the same product as out's), zero past the rows.
@@ -833,9 +839,13 @@ def norm_fn_finish_kernel(
                 for t, c in T.Parallel(tile_tokens, 3 * slots):
                     if first + t < tokens:
                         dsplit[T.cast(first + t, "int64") * (3 * slots) + c] = dsplit_tile[t, c]
-            for t, c in T.Parallel(tile_tokens, width):
-                if first + t < tokens:
-                    out[T.cast(first + t, "int64") * width + c] = out_tile[t, c]
+                for t in T.Parallel(tile_tokens):
+                    if first + t < tokens:
+                        out[first + t] = out_tile[t, rows]
+            else:
+                for t, c in T.Parallel(tile_tokens, width):
+                    if first + t < tokens:
+                        out[T.cast(first + t, "int64") * width + c] = out_tile[t, c]
             if save_statistics:
                 for t, c in T.Parallel(tile_tokens, rows + 1):
                     if first + t < tokens:
@@ -855,11 +865,13 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
+    dsq_stage: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
-    ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + coef[t, rows]·x[t, k]`` (fp32; that column is
-    2·dsq) and, summed over the split's tiles, ``partial[s, k, c] = Σ_t dsplit[t, c]·x[t, k]`` for
-    the ``2·slots`` columns ``[hi | lo]`` (against xᵀ); tiles past the tokens or features read zeros
+    ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + dsq2[t]·x[t, k]`` (fp32; ``dsq2 = 2·dsq``, a
+    contiguous fp32 vector padded to whole token tiles: rows past the tokens are not stored) and,
+    summed over the split's tiles, ``partial[s, k, c] = Σ_t dsplit[t, c]·x[t, k]`` for the
+    ``2·slots`` columns ``[hi | lo]`` (against xᵀ); tiles past the tokens or features read zeros
     (TMA).
 
     ``min_blocks`` > 1 asks for that many CTAs per SM (``__launch_bounds__``) and splits the
@@ -874,7 +886,9 @@ def norm_fn_grad_mma_kernel(
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
     for; dres then leaves through that stage buffer, once read, by one bulk copy (``staged_store``
     without a tile of its own: 16 KB, with 24 mixes the room a second CTA per SM needs), and the
-    buffer goes back to the producer after the TMA store has read it."""
+    buffer goes back to the producer after the TMA store has read it. ``dsq_stage``: the tile's
+    ``dsq2`` comes through the pipeline by TMA with x's, instead of each thread's loads after the
+    GEMMs (an L2 latency on every tile's critical path)."""
     if addend_stage and not accumulate:
         raise ValueError("addend_stage needs accumulate (an addend to load)")
     out_dtype = "bfloat16" if accumulate else "float32"
@@ -885,13 +899,14 @@ def norm_fn_grad_mma_kernel(
     padded = T.dynamic("padded")
     splits = T.dynamic("splits")
     addend_span = T.dynamic("addend_span")
+    padded_tokens = T.dynamic("padded_tokens")
 
     @T.prim_func
     def kernel(
         x: T.Tensor((tokens, features), "bfloat16"),
         stacked: T.Tensor((width, padded), "bfloat16"),
         dsplit: T.Tensor((tokens, width), "bfloat16"),
-        coef: T.Tensor((tokens, rows + 1), "float32"),
+        dsq2: T.Tensor((padded_tokens,), "float32"),
         dres: T.Tensor((tokens, features), out_dtype),
         addend: T.Tensor((tokens, features) if addend_stage else (addend_span,), "bfloat16"),
         partial: T.Tensor((splits, features, 2 * slots), "float32"),
@@ -918,6 +933,8 @@ def norm_fn_grad_mma_kernel(
                 # Swizzled (TMA writes it so): the threads read it in the accumulator's row pattern,
                 # eight rows 256 bytes apart per load, all in one bank unswizzled.
                 T.annotate_layout({addend_shared: tilelang.layout.make_swizzled_layout(addend_shared)})
+            if dsq_stage:
+                dsq_shared = T.alloc_shared((MMA_TOKENS,), "float32")
             if staged_store and not addend_stage:
                 dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
@@ -939,6 +956,8 @@ def norm_fn_grad_mma_kernel(
                 T.copy(x[token, first], x_shared)
                 if addend_stage:
                     T.copy(addend[token, first], addend_shared)
+                if dsq_stage:
+                    T.copy(dsq2[token : token + MMA_TOKENS], dsq_shared)
                 if shared_pair:
                     T.copy(dsplit[token, 0], pair_shared)
                     T.copy(dsplit[token, 2 * slots], high_shared)
@@ -952,18 +971,19 @@ def norm_fn_grad_mma_kernel(
                     T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
                     T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
                 for i, k in T.Parallel(MMA_TOKENS, block_features):
-                    dx[i, k] = dx[i, k] + coef[T.min(token + i, tokens - 1), rows] * T.cast(x_shared[i, k], "float32")
+                    dsq = dsq_shared[i] if dsq_stage else dsq2[token + i]
+                    dx[i, k] = dx[i, k] + dsq * T.cast(x_shared[i, k], "float32")
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
-                    release_after_thread_reads(sink, x_shared)
+                    release_after_thread_reads(sink, x_shared, dsq_shared if dsq_stage else None)
                     # The addend's stage goes back to the producer after its last use, the TMA
                     # store's read (TileLang waits for it before that barrier's arrival).
                     T.copy(dx_out, addend_shared)
                     T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
                     T.copy(addend_shared, dres[token, first])
                 else:
-                    release_after_thread_reads(sink, x_shared)
+                    release_after_thread_reads(sink, x_shared, dsq_shared if dsq_stage else None)
                     if accumulate:
                         # The tail's clamped reads are of elements whose stores are dropped.
                         for i, k in T.Parallel(MMA_TOKENS, block_features):
@@ -1014,6 +1034,7 @@ GRAD_MMA_SCHEDULE = {
     "staged_store": False,
     "shared_pair": True,
     "addend_stage": False,
+    "dsq_stage": False,
 }
 GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
 # An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
@@ -1033,12 +1054,10 @@ def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TAR
     return ceil_div(tiles, per_split), per_split
 
 
-def _tensor_core_gradients(
-    residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps: float, addend, statistics
-):
-    """The backward's statistics (``coef``), ``d_residual`` and the per-split dfn partials
-    ``[splits, nC, 2·slots]`` (hi and lo columns apart; returned; None under ``compiling_only``) on
-    tensor cores: five launches."""
+def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps: float, addend, statistics):
+    """``d_residual`` and the per-split dfn partials ``[splits, nC, 2·slots]`` (hi and lo columns
+    apart; returned; None under ``compiling_only``) on tensor cores: five launches (four with saved
+    statistics)."""
     tokens, n, hidden = residual.shape
     features = n * hidden
     rows = mhc_fn.shape[0]
@@ -1054,8 +1073,11 @@ def _tensor_core_gradients(
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
+    # Scratch: dmul's bf16 splits and 2·dsq, padded to whole token tiles for the pipeline's loads (the
+    # pad's rows of dx are not stored).
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
-    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, coef, eps, True, dsplit, statistics)
+    dsq2 = torch.empty(ceil_div(tokens, MMA_TOKENS) * MMA_TOKENS, dtype=F32, device=device)
+    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, dsq2, eps, True, dsplit, statistics)
     if compiling_only():
         return None
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
@@ -1075,7 +1097,7 @@ def _tensor_core_gradients(
         addend_argument = device_constant(BF16, device)
     else:
         addend_argument = addend.view(tokens, features) if schedule["addend_stage"] else addend.view(-1)
-    grad_kernel(x, stacked, dsplit, coef, d_residual.view(tokens, features), addend_argument, partial, per_split)
+    grad_kernel(x, stacked, dsplit, dsq2, d_residual.view(tokens, features), addend_argument, partial, per_split)
     return partial
 
 
@@ -1332,12 +1354,10 @@ def mhc_pre_norm_fn_bwd(
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    # Scratch, not outputs: every element is written before it is read.
-    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     if _tensor_cores(residual):
         reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, GRAD_REDUCE_SCHEDULE["threads"])
         partial = _tensor_core_gradients(
-            residual, mhc_fn, mhc_norm_weight, grad_output, coef, d_residual, eps, grad_addend, statistics
+            residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps, grad_addend, statistics
         )
         if partial is None:
             return d_residual, d_fn, d_weight
@@ -1351,6 +1371,8 @@ def mhc_pre_norm_fn_bwd(
             strides[-1],
         )
         return d_residual, d_fn, d_weight
+    # Scratch, not outputs: every element is written before it is read.
+    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
     split_tokens = _split_tokens(tokens, hidden, n)
     splits = ceil_div(tokens, split_tokens)
     if statistics is not None:
