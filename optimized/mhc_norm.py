@@ -622,22 +622,18 @@ MMA_PASS_CONFIGS = {
 
 
 @T.macro
-def release_after_thread_reads(sink, stage, other_stage=None):
-    """End a pipelined loop body whose threads read ``stage`` (and ``other_stage``: TMA-filled shared
-    buffers) with plain loads: a proxy fence, then a dead read of each that TileLang's warp
-    specialization takes as the buffer's last use, so the barrier arrival that hands it back to the
-    TMA producer (one barrier per buffer) comes after the fence. Without it the arrival issues while
-    the loads are still in flight (ptxas waits for them only where their registers are used, after
-    it), and the TMA load of the tile two steps on can overwrite the buffer under them:
-    generic-proxy reads are not ordered before async-proxy writes by the barrier alone. Seen on the
-    H200 as nondeterministic 16-byte groups of dx in the norm-fn backward with 4 and 8 mixes. The
-    fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the loads; nvcc drops the dead reads."""
+def release_after_thread_reads(sink, stage):
+    """End a pipelined loop body whose threads read ``stage`` (a TMA-filled shared buffer) with plain
+    loads: a proxy fence, then a dead read that TileLang's warp specialization takes as the buffer's
+    last use, so the barrier arrival that hands it back to the TMA producer (one barrier per buffer)
+    comes after the fence. Without it the arrival issues while the loads are still in flight (ptxas
+    waits for them only where their registers are used, after it), and the TMA load of the tile two
+    steps on can overwrite the buffer under them: generic-proxy reads are not ordered before
+    async-proxy writes by the barrier alone. Seen on the H200 as nondeterministic 16-byte groups of dx
+    in the norm-fn backward with 4 and 8 mixes. The fence (MEMBAR + FENCE.VIEW.ASYNC) waits for the
+    loads; nvcc drops the dead read."""
     T.fence_proxy_async()
-    # Two parameters, not a loop over a tuple: in a macro a Python loop becomes a kernel loop, and
-    # TileLang's builder renames a buffer after the variable bound to it.
     sink[0] = stage[(0,) * len(stage.shape)]
-    if other_stage is not None:
-        sink[0] = other_stage[(0,) * len(other_stage.shape)]
 
 
 @T.macro
@@ -865,7 +861,6 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
-    dsq_stage: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + dsq2[t]·x[t, k]`` (fp32; ``dsq2 = 2·dsq``, a
@@ -886,9 +881,7 @@ def norm_fn_grad_mma_kernel(
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
     for; dres then leaves through that stage buffer, once read, by one bulk copy (``staged_store``
     without a tile of its own: 16 KB, with 24 mixes the room a second CTA per SM needs), and the
-    buffer goes back to the producer after the TMA store has read it. ``dsq_stage``: the tile's
-    ``dsq2`` comes through the pipeline by TMA with x's, instead of each thread's loads after the
-    GEMMs (an L2 latency on every tile's critical path)."""
+    buffer goes back to the producer after the TMA store has read it."""
     if addend_stage and not accumulate:
         raise ValueError("addend_stage needs accumulate (an addend to load)")
     out_dtype = "bfloat16" if accumulate else "float32"
@@ -933,8 +926,6 @@ def norm_fn_grad_mma_kernel(
                 # Swizzled (TMA writes it so): the threads read it in the accumulator's row pattern,
                 # eight rows 256 bytes apart per load, all in one bank unswizzled.
                 T.annotate_layout({addend_shared: tilelang.layout.make_swizzled_layout(addend_shared)})
-            if dsq_stage:
-                dsq_shared = T.alloc_shared((MMA_TOKENS,), "float32")
             if staged_store and not addend_stage:
                 dx_shared = T.alloc_shared((MMA_TOKENS, block_features), out_dtype)
             if min_blocks > 1:
@@ -956,8 +947,6 @@ def norm_fn_grad_mma_kernel(
                 T.copy(x[token, first], x_shared)
                 if addend_stage:
                     T.copy(addend[token, first], addend_shared)
-                if dsq_stage:
-                    T.copy(dsq2[token : token + MMA_TOKENS], dsq_shared)
                 if shared_pair:
                     T.copy(dsplit[token, 0], pair_shared)
                     T.copy(dsplit[token, 2 * slots], high_shared)
@@ -971,19 +960,18 @@ def norm_fn_grad_mma_kernel(
                     T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
                     T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
                 for i, k in T.Parallel(MMA_TOKENS, block_features):
-                    dsq = dsq_shared[i] if dsq_stage else dsq2[token + i]
-                    dx[i, k] = dx[i, k] + dsq * T.cast(x_shared[i, k], "float32")
+                    dx[i, k] = dx[i, k] + dsq2[token + i] * T.cast(x_shared[i, k], "float32")
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
-                    release_after_thread_reads(sink, x_shared, dsq_shared if dsq_stage else None)
+                    release_after_thread_reads(sink, x_shared)
                     # The addend's stage goes back to the producer after its last use, the TMA
                     # store's read (TileLang waits for it before that barrier's arrival).
                     T.copy(dx_out, addend_shared)
                     T.fence_proxy_async()  # each writing thread's, before the TMA store reads it
                     T.copy(addend_shared, dres[token, first])
                 else:
-                    release_after_thread_reads(sink, x_shared, dsq_shared if dsq_stage else None)
+                    release_after_thread_reads(sink, x_shared)
                     if accumulate:
                         # The tail's clamped reads are of elements whose stores are dropped.
                         for i, k in T.Parallel(MMA_TOKENS, block_features):
@@ -1027,6 +1015,10 @@ def norm_fn_grad_mma_kernel(
 # Staged through the addend's stage buffer instead (no tile of its own, two CTAs per SM with 24 mixes
 # too): 534 -> 457 µs at T 8192 C 7168 (addend + statistics), T 8192 C 4096 384 -> 349, m 4 unchanged,
 # same bits everywhere. Sweep: norm-grad-store-in-addend-h200-sweep.json.
+# 2·dsq from a contiguous vector (the epilogue's) instead of the [dmul | 2·dsq] rows' last column: the
+# layers' call 445.6 -> 411.5 µs, T 8192 C 7168 fp32 dx 620 -> 603, but fp32 dx at C <= 4096 2-6 %
+# slower (T 8192 C 4096 348 -> 370; not understood). Through the pipeline by TMA instead of the
+# threads' loads: slower with the addend (456). Same bits. Sweep: norm-grad-dsq-stage-h200-sweep.json.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
@@ -1034,7 +1026,6 @@ GRAD_MMA_SCHEDULE = {
     "staged_store": False,
     "shared_pair": True,
     "addend_stage": False,
-    "dsq_stage": False,
 }
 GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
 # An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
