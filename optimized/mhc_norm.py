@@ -816,9 +816,6 @@ def norm_fn_finish_kernel(
                     for j in T.unroll(rows):
                         dot[0] = dot[0] + grad_tile[tx, j] * statistics_tile[tx, j]
                     out_tile[tx, rows] = T.ieee_fdiv(-dot[0] * rstd_tile[tx], sq[0] + eps * count)
-            if not slots:
-                for t, j in T.Parallel(tile_tokens, rows):
-                    out_tile[t, j] = (grad_tile[t, j] if backward else statistics_tile[t, j]) * rstd_tile[t]
             if slots:
                 for t, j in T.Parallel(tile_tokens, slots):
                     # dmul again (the same product as out's), zero past the rows.
@@ -839,6 +836,8 @@ def norm_fn_finish_kernel(
                     if first + t < tokens:
                         out[first + t] = out_tile[t, rows]
             else:
+                for t, j in T.Parallel(tile_tokens, rows):
+                    out_tile[t, j] = (grad_tile[t, j] if backward else statistics_tile[t, j]) * rstd_tile[t]
                 for t, c in T.Parallel(tile_tokens, width):
                     if first + t < tokens:
                         out[T.cast(first + t, "int64") * width + c] = out_tile[t, c]
@@ -1064,8 +1063,8 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
-    # Scratch: dmul's bf16 splits and 2·dsq, padded to whole token tiles for the pipeline's loads (the
-    # pad's rows of dx are not stored).
+    # Scratch: dmul's bf16 splits and 2·dsq, padded to whole token tiles (the tail tile's threads read
+    # it unclamped; the pad's rows of dx are not stored).
     dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
     dsq2 = torch.empty(ceil_div(tokens, MMA_TOKENS) * MMA_TOKENS, dtype=F32, device=device)
     _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, dsq2, eps, True, dsplit, statistics)
@@ -1146,8 +1145,9 @@ def _backward_from_statistics(grad, out, statistics, features: int, eps: float, 
 def _norm_fn_statistics_mma(
     residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None, statistics=None
 ) -> None:
-    """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``) by the
-    tensor-core GEMM: three launches (fold and split fn·γ, the GEMM, the per-token epilogue). With
+    """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``; with
+    ``dsplit``, dmul's bf16 splits there and ``out`` = 2·dsq alone) by the tensor-core GEMM: three
+    launches (fold and split fn·γ, the GEMM, the per-token epilogue). With
     ``statistics`` ``[T, m + 1]``: the forward writes them too; the backward reads them instead of
     running the GEMM (``_backward_from_statistics``, one launch)."""
     tokens, n, hidden = residual.shape
