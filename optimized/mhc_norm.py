@@ -475,11 +475,14 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
 
 
 @jit()
-def norm_fn_reduce_columns_kernel(rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS):
+def norm_fn_reduce_columns_kernel(
+    rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS, paired: bool = False
+):
     """The dfn / dγ reduction of the tensor-core layout ``partial[split, k, c]`` (``c = j`` hi,
     ``slots + j`` lo), the same sums in the same order: ``s_j = Σ_split (hi + lo)``. Each split's
     block of ``threads`` rows (``2·slots`` floats each) comes into shared memory whole (coalesced) with
-    a padded row, then thread k reads its row without bank conflicts."""
+    a padded row, then thread k reads its row without bank conflicts. ``paired``: two splits' blocks
+    are loaded before each barrier (a DRAM round trip per two splits instead of per split)."""
     columns = 2 * slots
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
@@ -507,16 +510,33 @@ def norm_fn_reduce_columns_kernel(rows: int, slots: int, weighted: bool, threads
         with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
             tx = T.get_thread_binding()
             tile = T.alloc_shared((threads, columns + 1), "float32")
+            if paired:
+                second = T.alloc_shared((threads, columns + 1), "float32")
             sums = T.alloc_local((rows,), "float32")
             total = T.alloc_local((1,), "float32")
             first = block * threads
-            load_split(partial, tile, 0, first)
-            for j in T.unroll(rows):
-                sums[j] = tile[tx, j] + tile[tx, slots + j]
-            for split in T.serial(1, splits):
-                load_split(partial, tile, split, first)
+            if paired:
                 for j in T.unroll(rows):
-                    sums[j] = sums[j] + (tile[tx, j] + tile[tx, slots + j])
+                    sums[j] = T.float32(0)  # (never added to: the first split's sum replaces it)
+                for pair in T.serial(T.ceildiv(splits, 2)):
+                    load_split(partial, tile, 2 * pair, first)
+                    # (A last odd split's partner reads that split again and is not added.)
+                    load_split(partial, second, T.min(2 * pair + 1, splits - 1), first)
+                    for j in T.unroll(rows):
+                        # The first split's sum as is, then each added in order: the unpaired bits.
+                        pair_sum = tile[tx, j] + tile[tx, slots + j]
+                        sums[j] = T.if_then_else(pair == 0, pair_sum, sums[j] + pair_sum)
+                    if 2 * pair + 1 < splits:
+                        for j in T.unroll(rows):
+                            sums[j] = sums[j] + (second[tx, j] + second[tx, slots + j])
+            else:
+                load_split(partial, tile, 0, first)
+                for j in T.unroll(rows):
+                    sums[j] = tile[tx, j] + tile[tx, slots + j]
+                for split in T.serial(1, splits):
+                    load_split(partial, tile, split, first)
+                    for j in T.unroll(rows):
+                        sums[j] = sums[j] + (tile[tx, j] + tile[tx, slots + j])
             column = first + tx
             if column < features:
                 k64 = T.cast(column, "int64")
@@ -1032,7 +1052,7 @@ GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "sh
 FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
 # norm_fn_reduce_columns_kernel's CTA (features per CTA): 32 a little ahead of 64 and 128 (0.3-1.5 µs of
 # ~17, same bits; the same sweep).
-GRAD_REDUCE_SCHEDULE = {"threads": 32}
+GRAD_REDUCE_SCHEDULE = {"threads": 32, "paired": False}  # paired: for the next sweep
 
 
 def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TARGET_CTAS) -> tuple[int, int]:
@@ -1346,7 +1366,7 @@ def mhc_pre_norm_fn_bwd(
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
     if _tensor_cores(residual):
-        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, GRAD_REDUCE_SCHEDULE["threads"])
+        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, **GRAD_REDUCE_SCHEDULE)
         partial = _tensor_core_gradients(
             residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps, grad_addend, statistics
         )
