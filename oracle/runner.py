@@ -474,13 +474,13 @@ def _device_compile_batch(twin: Twin, batched: bool = True) -> Iterator:
         yield None
         return
     try:
-        batched = getattr(importlib.import_module(twin.jit_module), "batched_device_compile", None)
+        batch_compile = getattr(importlib.import_module(twin.jit_module), "batched_device_compile", None)
     except Exception:  # reported per case by _compile_one
-        batched = None
-    if batched is None or torch.cuda.is_available():
+        batch_compile = None
+    if batch_compile is None or torch.cuda.is_available():
         yield None
         return
-    with batched() as batch:
+    with batch_compile() as batch:
         yield batch
 
 
