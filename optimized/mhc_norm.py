@@ -39,6 +39,9 @@ Kernel design (x is the flattened stream ``[T, nC]``, bf16; m = fn's rows, 24 fo
   order (deterministic, no atomics), multiplies by γ and sums ``dfn_folded·fn`` over m for dγ.
 """
 
+import functools
+import math
+
 import tilelang
 import tilelang.language as T
 import torch
@@ -98,7 +101,22 @@ SPLIT_FEATURES = 64  # a divisor of MMA_DEPTH and GRAD_MMA_FEATURES (the padded 
 # wgmma's K step), fn·γ into [hi; hi; lo] rows, so that one wgmma gives hi·hi + lo·hi + hi·lo.
 GRAD_MMA_FEATURES = 128
 GRAD_MMA_STAGES = 2
-GRAD_MMA_TARGET_CTAS = 512
+# Its token splits (each CTA walks one split's tiles and writes one dfn partial, which the reduction
+# adds): as few as fill the GPU, from the shape alone (never the SM count), so the summation order,
+# and so the bits, are the same on any GPU; tuned for the 132-SM H100 / H200 (CTAs resident at once:
+# 132 × the schedule's min_blocks). The smallest split count whose CTAs make at least ``min waves``
+# of resident CTAs, or whose last wave is at least GRAD_MMA_FULL_WAVE full. Every split costs a
+# CTA's pipeline fill and drain per feature block and a partial to write and read back, and a last
+# wave that is mostly empty leaves bandwidth unused: H200 sweep (T 4001 and 8192, C 1280-7168, 1 to
+# 26 splits): a target of 1024 CTAs (4-5 waves, the earlier rule) took 8-30 % longer than the best
+# count everywhere (T 8192 C 7168 with the addend and saved statistics 412 µs, 2 splits 376; C 1280
+# 168 vs 137 with 6: one 91 % full wave; C 2560 with 4 splits, 1.2 waves: 234 vs 184 with 3). With
+# fp32 dx (no addend) at C 7168, 2 splits (1.7 waves) lost to 3 (2.5): 632 vs 588 µs, hence 2.5 waves
+# there and 1.5 with the addend. Sweeps: norm-grad-splits-h200-sweep.json (1 split up to the old
+# count) and norm-grad-splits-more-h200-sweep.json (half to three times it).
+GRAD_MMA_FULL_WAVE = 0.9
+GRAD_MMA_MIN_WAVES = {"float32": 2.5, "bfloat16": 1.5}  # by dx's dtype (bf16 with the addend)
+GRAD_MMA_POLICY_SMS = 132
 
 
 @T.macro
@@ -1055,13 +1073,23 @@ FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
 GRAD_REDUCE_SCHEDULE = {"threads": 32, "paired": False}  # paired: for the next sweep
 
 
-def _grad_mma_splits(tokens: int, features: int, target_ctas: int = GRAD_MMA_TARGET_CTAS) -> tuple[int, int]:
-    """(splits, token tiles per split) of the tensor-core backward: from the shape only."""
+@functools.lru_cache(maxsize=1024)  # a loop over split counts, per call otherwise
+def _grad_mma_splits(tokens: int, features: int, min_blocks: int, min_waves: float) -> tuple[int, int]:
+    """(splits, token tiles per split) of the tensor-core backward, from the shape only: the smallest
+    split count whose CTAs (splits × feature blocks) make ``min_waves`` waves of the CTAs a
+    GRAD_MMA_POLICY_SMS-SM GPU holds at ``min_blocks`` per SM, or fill their last wave to
+    GRAD_MMA_FULL_WAVE; every token tile its own split when none does."""
     tiles = ceil_div(tokens, MMA_TOKENS)
-    block_features = GRAD_MMA_SCHEDULE["block_features"]
-    wanted = max(1, min(tiles, ceil_div(target_ctas, ceil_div(features, block_features))))
-    per_split = ceil_div(tiles, wanted)
-    return ceil_div(tiles, per_split), per_split
+    blocks = ceil_div(features, GRAD_MMA_SCHEDULE["block_features"])
+    resident = GRAD_MMA_POLICY_SMS * min_blocks
+    for wanted in range(1, tiles + 1):
+        per_split = ceil_div(tiles, wanted)
+        if ceil_div(tiles, per_split) != wanted:
+            continue  # the same tiles per split as a smaller count
+        waves = wanted * blocks / resident
+        if waves >= min_waves or waves / math.ceil(waves) >= GRAD_MMA_FULL_WAVE:
+            return wanted, per_split
+    return tiles, 1
 
 
 def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps: float, addend, statistics):
@@ -1079,7 +1107,8 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
         schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
     else:
         schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
-    splits, per_split = _grad_mma_splits(tokens, features, GRAD_MMA_TARGET_CTAS * schedule["min_blocks"])
+    out_dtype = "float32" if addend is None else "bfloat16"
+    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"], GRAD_MMA_MIN_WAVES[out_dtype])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
