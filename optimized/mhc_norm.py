@@ -102,20 +102,19 @@ SPLIT_FEATURES = 64  # a divisor of MMA_DEPTH and GRAD_MMA_FEATURES (the padded 
 GRAD_MMA_FEATURES = 128
 GRAD_MMA_STAGES = 2
 # Its token splits (each CTA walks one split's tiles and writes one dfn partial, which the reduction
-# adds): as few as fill the GPU, from the shape alone (never the SM count), so the summation order,
-# and so the bits, are the same on any GPU; tuned for the 132-SM H100 / H200 (CTAs resident at once:
-# 132 × the schedule's min_blocks). The smallest split count whose CTAs make at least ``min waves``
-# of resident CTAs, or whose last wave is at least GRAD_MMA_FULL_WAVE full. Every split costs a
-# CTA's pipeline fill and drain per feature block and a partial to write and read back, and a last
-# wave that is mostly empty leaves bandwidth unused: H200 sweep (T 4001 and 8192, C 1280-7168, 1 to
-# 26 splits): a target of 1024 CTAs (4-5 waves, the earlier rule) took 8-30 % longer than the best
-# count everywhere (T 8192 C 7168 with the addend and saved statistics 412 µs, 2 splits 376; C 1280
-# 168 vs 137 with 6: one 91 % full wave; C 2560 with 4 splits, 1.2 waves: 234 vs 184 with 3). With
-# fp32 dx (no addend) at C 7168, 2 splits (1.7 waves) lost to 3 (2.5): 632 vs 588 µs, hence 2.5 waves
-# there and 1.5 with the addend. Sweeps: norm-grad-splits-h200-sweep.json (1 split up to the old
-# count) and norm-grad-splits-more-h200-sweep.json (half to three times it).
+# adds): as few as fill the GPU, from the shape alone (never the SM count, nor whether an addend is
+# given), so the summation order, and so dfn's bits, are the same on any GPU and in either form of the
+# call; tuned for the 132-SM H100 / H200 (CTAs resident at once: 132 × the schedule's min_blocks).
+# The smallest split count whose CTAs make at least GRAD_MMA_MIN_WAVES waves of resident CTAs, or
+# whose last wave is at least GRAD_MMA_FULL_WAVE full. Every split costs a CTA's pipeline fill and
+# drain per feature block and a partial to write and read back, and a last wave that is mostly empty
+# leaves bandwidth unused: H200 sweep (T 4001 and 8192, C 1280-7168, 1 to 26 splits), a target of 1024
+# CTAs (4-5 waves, the earlier rule) took 8-30 % longer than the best count everywhere (T 8192 C 7168
+# with the addend and saved statistics 412 µs, 2 splits 376; C 1280 168 vs 137 with 6: one 91 % full
+# wave; C 2560 with 4 splits, 1.2 waves: 234 vs 184 with 3). Sweeps: norm-grad-splits-h200-sweep.json
+# (1 split up to the old count) and norm-grad-splits-more-h200-sweep.json (half to three times it).
 GRAD_MMA_FULL_WAVE = 0.9
-GRAD_MMA_MIN_WAVES = {"float32": 2.5, "bfloat16": 1.5}  # by dx's dtype (bf16 with the addend)
+GRAD_MMA_MIN_WAVES = 1.5
 GRAD_MMA_POLICY_SMS = 132
 
 
@@ -1056,15 +1055,22 @@ def norm_fn_grad_mma_kernel(
 # layers' call 445.6 -> 411.5 µs, T 8192 C 7168 fp32 dx 620 -> 603, but fp32 dx at C <= 4096 2-6 %
 # slower (T 8192 C 4096 348 -> 370; not understood). Through the pipeline by TMA instead of the
 # threads' loads: slower with the addend (456). Same bits. Sweep: norm-grad-dsq-stage-h200-sweep.json.
+# With those fewer splits, fp32 dx through a staged tile of its own and one bulk store per tile (two
+# CTAs per SM still fit with 24 mixes: 112 KB each) instead of each thread's 8-byte stores from the
+# accumulator: T 8192 C 7168 631 -> 528 µs (2 splits), C 4096 345 -> 313, C 1280 137 -> 121, T 4001
+# C 2560 130 -> 115, same bits (slower only where the splits leave less than a wave of CTAs, which the
+# rule above picks only when the tokens run out). Without it, 2 splits lost to 3 at C 7168 (631 vs 588). Sweep:
+# norm-grad-fp32-staged-h200-sweep.json.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
     "min_blocks": 2,
-    "staged_store": False,
+    "staged_store": True,
     "shared_pair": True,
     "addend_stage": False,
 }
-GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "addend_stage": True}
+# With the addend, dx leaves through the addend's stage buffer (no staged tile of its own).
+GRAD_MMA_ADDEND_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": False, "addend_stage": True}
 # An addend that TMA cannot load (base not 16-byte aligned): the threads' loads, as before the sweep.
 GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "shared_pair": False}
 FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
@@ -1107,8 +1113,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
         schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
     else:
         schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
-    out_dtype = "float32" if addend is None else "bfloat16"
-    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"], GRAD_MMA_MIN_WAVES[out_dtype])
+    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"], GRAD_MMA_MIN_WAVES)
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
@@ -1140,13 +1145,24 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
     return partial
 
 
-def _tensor_cores(residual: torch.Tensor) -> bool:
+# The most mixes the tensor-core kernels take: their shared memory grows with m (the forward's three
+# stages hold 128 fn·γ columns of 2·m rounded to 8 bf16 each: 216 KB at m 80, over the SM's 227 KB at
+# 88; the backward's 1.5 KB per 16-rounded mix + 64 KB). mHC has m = n² + 2n: 24 at n 4, 80 at n 8.
+TENSOR_CORE_MAX_ROWS = 80
+
+
+def _tensor_cores(residual: torch.Tensor, rows: int) -> bool:
     """The tensor-core path reads x ``[T, nC]`` by TMA: a contiguous residual on a 16-byte aligned base
     whose rows are whole feature blocks of the backward (nC a multiple of GRAD_MMA_FEATURES: every
-    model's C is a multiple of 32), so its stores need no column guard. Other layouts take the FFMA
-    kernels."""
+    model's C is a multiple of 32), so its stores need no column guard, and at most
+    TENSOR_CORE_MAX_ROWS mixes. Other layouts and more mixes take the FFMA kernels."""
     tokens, n, hidden = residual.shape
-    return residual.is_contiguous() and (n * hidden) % GRAD_MMA_FEATURES == 0 and address(residual) % 16 == 0
+    return (
+        0 < rows <= TENSOR_CORE_MAX_ROWS
+        and residual.is_contiguous()
+        and (n * hidden) % GRAD_MMA_FEATURES == 0
+        and address(residual) % 16 == 0
+    )
 
 
 # The statistics GEMM's schedule, read at each call (committed values; a sweep changes them). ``depth``
@@ -1316,7 +1332,7 @@ def mhc_pre_norm_fn(
         return result()
     if rows == 0 and not save_statistics:
         return out
-    if rows > 0 and _tensor_cores(residual):
+    if _tensor_cores(residual, rows):
         _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, out, out, eps, False, None, statistics)
         return result()
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
@@ -1394,7 +1410,7 @@ def mhc_pre_norm_fn_bwd(
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     gamma = mhc_norm_weight if weighted else mhc_fn
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    if _tensor_cores(residual):
+    if _tensor_cores(residual, rows):
         reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, **GRAD_REDUCE_SCHEDULE)
         partial = _tensor_core_gradients(
             residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps, grad_addend, statistics

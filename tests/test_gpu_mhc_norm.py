@@ -157,15 +157,16 @@ def test_norm_fn_bwd_matches_reference(tokens, hidden, pad, weighted, fn_pad):
     _check(oracle.PreNormFnBwd, names, actual, expected64, expected[: len(names)])
 
 
-@pytest.mark.parametrize("tokens,hidden", [(1, 64), (37, 1280)])
-def test_head_norm_fn_matches_reference(tokens, hidden):
-    """The head's norm-fn: fn with m = n rows (another static configuration)."""
-    generator = _generator("head_norm_fn", tokens, hidden)
+@pytest.mark.parametrize("tokens,hidden,rows", [(1, 64, N), (37, 1280, N), (130, 64, 80), (130, 64, 88)])
+def test_other_mix_counts_match_reference(tokens, hidden, rows):
+    """Other static configurations: the head's norm-fn (fn with m = n rows), the most mixes the
+    tensor-core kernels take (TENSOR_CORE_MAX_ROWS = 80, mHC's n = 8) and one more (the FFMA kernels)."""
+    generator = _generator("head_norm_fn", tokens, hidden, rows)
     scale = oracle.inverse_sqrt_pow2(tokens)
     residual, fn, weight = _inputs(
-        tokens, hidden, 0, True, False, generator, fn_scale=2.0**-3, stream_scale=scale, rows=N
+        tokens, hidden, 0, True, False, generator, fn_scale=2.0**-3, stream_scale=scale, rows=rows
     )
-    grad = (scale * torch.randn(tokens, N, generator=generator)).to(DEVICE)
+    grad = (scale * torch.randn(tokens, rows, generator=generator)).to(DEVICE)
     mixes = _run("mhc_pre_norm_fn", residual, fn, weight, EPS)
     outputs = _run("mhc_pre_norm_fn_bwd", grad, residual, fn, weight, EPS)
     if mixes is None:
