@@ -405,6 +405,7 @@ GATE_SHAPES = {
         (11, 512, "fused", 4, True, 0.3),
         (3, 7168, "fused", 2, True, CLAMP),  # the CTA shape of D > 4096
         (19, 768, "kvgrad", 5, True, CLAMP),
+        (3, 7168, "kvgrad", 2, True, CLAMP),  # grad_kv's strided outputs in the D > 4096 CTA shape
     ],
     "full": [(t, d, "fused", 132, True, CLAMP) for d in GATE_HIDDENS for t in TOKENS]
     + [
@@ -437,9 +438,10 @@ class GateOp(FloatOp):
 
     def kernel_group(self, case):
         # The optimized kernel is static in its CTA shape only (D, strides and save_for_backward are
-        # runtime): one shape up to D = 4096, another at D = 7168.
+        # runtime): one shape up to D = 4096, another at D = 7168; the backward's also in whether dk
+        # and dv are packed or grad_kv's strided views.
         p: GateParams = case.params
-        return None if p.tokens == 0 else (self.name, p.hidden > 4096)
+        return None if p.tokens == 0 else (self.name, p.hidden > 4096, self.backward and p.layout == "kvgrad")
 
     def gate_inputs(self, p: GateParams, device, generator, k_scale: float):
         """x ``[T, n, D]`` contiguous; k ``[T, n, D]`` and v ``[T, D]`` (views of one fused projection
