@@ -1059,8 +1059,8 @@ def norm_fn_grad_mma_kernel(
 # CTAs per SM still fit with 24 mixes: 112 KB each) instead of each thread's 8-byte stores from the
 # accumulator: T 8192 C 7168 631 -> 528 µs (2 splits), C 4096 345 -> 313, C 1280 137 -> 121, T 4001
 # C 2560 130 -> 115, same bits (slower only where the splits leave less than a wave of CTAs, which the
-# rule above picks only when the tokens run out). Without it, 2 splits lost to 3 at C 7168 (631 vs 588). Sweep:
-# norm-grad-fp32-staged-h200-sweep.json.
+# rule above picks only when the tokens run out). Without it, 2 splits lost to 3 at C 7168 (631 vs
+# 588 µs). Sweep: norm-grad-fp32-staged-h200-sweep.json.
 GRAD_MMA_SCHEDULE = {
     "stages": GRAD_MMA_STAGES,
     "block_features": GRAD_MMA_FEATURES,
