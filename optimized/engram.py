@@ -560,6 +560,7 @@ def gate_bwd_kernel(
     prefetch: bool = True,
     weights_in_shared: bool = False,
     packed_outputs: bool = True,
+    coefficients_first: bool = False,
 ):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
     stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.
@@ -575,7 +576,12 @@ def gate_bwd_kernel(
 
     ``packed_outputs``: dk has dx's layout (``[T, n, D]`` contiguous) and dv is ``[T, D]`` contiguous,
     so their offsets are dx's and the row's (the token strides ``dk_token_stride`` and
-    ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride."""
+    ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride.
+
+    ``coefficients_first``: the token's x and k coefficients and β's factor ``√(∂s/∂dot / |dot|)`` (three
+    IEEE divisions and a square root per stream, none of which needs the row sums) are computed before
+    the dg barrier, where they overlap the loads' latency, leaving only β's product after it (the same
+    operations on the same values: the same bits)."""
     warps = threads // 32
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
@@ -683,6 +689,8 @@ def gate_bwd_kernel(
             sums = T.alloc_local((streams,), "float32")
             gates = T.alloc_local((streams,), "float32")
             betas = T.alloc_local((streams,), "float32")
+            beta_factors = T.alloc_local((streams,), "float32")
+            clamps = T.alloc_local((streams,), "float32")  # 1 where β is clamped to 0
             token_dot = T.alloc_local((streams,), "float32")
             token_rstd_x = T.alloc_local((streams,), "float32")
             token_rstd_k = T.alloc_local((streams,), "float32")
@@ -794,21 +802,37 @@ def gate_bwd_kernel(
                     for m in T.unroll(streams):
                         for e in T.unroll(vector):
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
+                if coefficients_first:
+                    for m in T.unroll(streams):
+                        dot_value = token_dot[m]
+                        rx = token_rstd_x[m]
+                        rk = token_rstd_k[m]
+                        norms = rx * rk * scale
+                        clamped = T.abs(dot_value) * norms < clamp_value
+                        safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                        clamps[m] = T.if_then_else(clamped, T.float32(1), T.float32(0))
+                        beta_factors[m] = T.sqrt(T.ieee_fdiv(norms, safe_dot))
+                        x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                        k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
                 cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
 
                 for m in T.unroll(streams):
-                    dot_value = token_dot[m]
-                    rx = token_rstd_x[m]
-                    rk = token_rstd_k[m]
-                    norms = rx * rk * scale  # ∂s/∂dot
-                    # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
-                    # divides by 1 instead (as the reference's safe_dot).
-                    clamped = T.abs(dot_value) * norms < clamp_value
-                    safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                    slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
-                    betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                    x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                    k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+                    if coefficients_first:
+                        slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
+                        betas[m] = T.if_then_else(clamps[m] != T.float32(0), T.float32(0), slope * beta_factors[m])
+                    else:
+                        dot_value = token_dot[m]
+                        rx = token_rstd_x[m]
+                        rk = token_rstd_k[m]
+                        norms = rx * rk * scale  # ∂s/∂dot
+                        # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
+                        # divides by 1 instead (as the reference's safe_dot).
+                        clamped = T.abs(dot_value) * norms < clamp_value
+                        safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                        slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
+                        betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+                        x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                        k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
 
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
