@@ -897,6 +897,7 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
+    dsq_rows: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + dsq2[t]·x[t, k]`` (fp32; ``dsq2 = 2·dsq``, a
@@ -917,7 +918,10 @@ def norm_fn_grad_mma_kernel(
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
     for; dres then leaves through that stage buffer, once read, by one bulk copy (``staged_store``
     without a tile of its own: 16 KB, with 24 mixes the room a second CTA per SM needs), and the
-    buffer goes back to the producer after the TMA store has read it."""
+    buffer goes back to the producer after the TMA store has read it. ``dsq_rows``: the tile's 2·dsq
+    values come into a row fragment first (each thread loads the rows it holds in the accumulator,
+    two) instead of one load per accumulator element (the generated code repeats the load per
+    element: 32 per thread and tile); the same values."""
     if addend_stage and not accumulate:
         raise ValueError("addend_stage needs accumulate (an addend to load)")
     out_dtype = "bfloat16" if accumulate else "float32"
@@ -953,6 +957,8 @@ def norm_fn_grad_mma_kernel(
                 d_shared = T.alloc_shared((MMA_TOKENS, width), "bfloat16")
                 dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
             dx = T.alloc_fragment((MMA_TOKENS, block_features), "float32")
+            if dsq_rows:
+                dsq_row = T.alloc_fragment((MMA_TOKENS,), "float32")
             dfn = T.alloc_fragment((block_features, 2 * slots), "float32")
             sink = T.alloc_local((1,), "bfloat16")
             if accumulate:
@@ -995,8 +1001,14 @@ def norm_fn_grad_mma_kernel(
                     T.copy(dsplit[token, 0], dfn_operand)
                     T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
                     T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
-                for i, k in T.Parallel(MMA_TOKENS, block_features):
-                    dx[i, k] = dx[i, k] + dsq2[token + i] * T.cast(x_shared[i, k], "float32")
+                if dsq_rows:
+                    for i in T.Parallel(MMA_TOKENS):
+                        dsq_row[i] = dsq2[token + i]
+                    for i, k in T.Parallel(MMA_TOKENS, block_features):
+                        dx[i, k] = dx[i, k] + dsq_row[i] * T.cast(x_shared[i, k], "float32")
+                else:
+                    for i, k in T.Parallel(MMA_TOKENS, block_features):
+                        dx[i, k] = dx[i, k] + dsq2[token + i] * T.cast(x_shared[i, k], "float32")
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
