@@ -756,6 +756,7 @@ def norm_fn_finish_kernel(
     from_statistics: bool = False,
     tile_tokens: int = FINISH_TOKENS,
     threads: int = FINISH_THREADS,
+    contiguous_grad: bool = False,
 ):
     """Per token: ``mul[j] = Σ_s partial[s, t, j] + Σ_s partial[s, t, half + j]`` (splits in order;
     the hi sum alone where it is not finite), ``sq = Σ_s partial_sq[s, t]``, then
@@ -774,7 +775,12 @@ def norm_fn_finish_kernel(
     sum in row order) on one thread per token; every per-token row moves between global and shared
     memory in whole blocks, consecutive threads on consecutive elements (shared rows of an odd word
     count: no bank conflicts). One thread per token for everything left ~900 dependent instructions
-    per warp with a warp or two per SM (H200, T 8192: 19 µs backward, 5.5 forward)."""
+    per warp with a warp or two per SM (H200, T 8192: 19 µs backward, 5.5 forward).
+
+    ``contiguous_grad`` (backward; the caller's promise that grad is ``[T, rows]`` contiguous): the
+    tile's grad block is read at ``t·rows + j``, which compiles to a linear index, instead of through
+    the runtime strides, whose 64-bit index arithmetic (a division and a remainder per element) was
+    most of the load's instructions; the strides are then not read."""
     columns = 2 * half
     width = rows + 1 if backward else rows
     split_words = 3 * slots // 2  # slots is a multiple of 16: whole words of bf16 pairs
@@ -814,7 +820,11 @@ def norm_fn_finish_kernel(
             sq = T.alloc_local((1,), "float32")
             dot = T.alloc_local((1,), "float32")
             first = block * tile_tokens
-            if backward:
+            if backward and contiguous_grad:
+                for t, j in T.Parallel(tile_tokens, rows):
+                    if first + t < tokens:
+                        grad_tile[t, j] = grad[T.cast(first + t, "int64") * rows + j]
+            elif backward:
                 for t, j in T.Parallel(tile_tokens, rows):
                     if first + t < tokens:
                         grad_tile[t, j] = grad[
