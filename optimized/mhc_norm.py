@@ -1101,23 +1101,28 @@ FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
 GRAD_REDUCE_SCHEDULE = {"threads": 32, "paired": False}  # paired: for the next sweep
 
 
-@functools.lru_cache(maxsize=1024)  # a loop over split counts, per call otherwise
-def _grad_mma_splits(tokens: int, features: int, min_blocks: int, min_waves: float) -> tuple[int, int]:
+def _grad_mma_splits(tokens: int, features: int, min_blocks: int) -> tuple[int, int]:
     """(splits, token tiles per split) of the tensor-core backward, from the shape only: the smallest
-    split count whose CTAs (splits × feature blocks) make ``min_waves`` waves of the CTAs a
+    split count whose CTAs (splits × feature blocks) make GRAD_MMA_MIN_WAVES waves of the CTAs a
     GRAD_MMA_POLICY_SMS-SM GPU holds at ``min_blocks`` per SM, or fill their last wave to
     GRAD_MMA_FULL_WAVE; every token tile its own split when none does."""
     tiles = ceil_div(tokens, MMA_TOKENS)
     blocks = ceil_div(features, GRAD_MMA_SCHEDULE["block_features"])
-    resident = GRAD_MMA_POLICY_SMS * min_blocks
-    for wanted in range(1, tiles + 1):
-        per_split = ceil_div(tiles, wanted)
-        if ceil_div(tiles, per_split) != wanted:
+    splits = _fewest_filling_splits(
+        tiles, blocks, GRAD_MMA_POLICY_SMS * min_blocks, GRAD_MMA_MIN_WAVES, GRAD_MMA_FULL_WAVE
+    )
+    return splits, ceil_div(tiles, splits)
+
+
+@functools.lru_cache(maxsize=1024)  # a loop over split counts, per call otherwise
+def _fewest_filling_splits(tiles: int, blocks: int, resident: int, min_waves: float, full_wave: float) -> int:
+    for splits in range(1, tiles + 1):
+        if ceil_div(tiles, ceil_div(tiles, splits)) != splits:
             continue  # the same tiles per split as a smaller count
-        waves = wanted * blocks / resident
-        if waves >= min_waves or waves / math.ceil(waves) >= GRAD_MMA_FULL_WAVE:
-            return wanted, per_split
-    return tiles, 1
+        waves = splits * blocks / resident
+        if waves >= min_waves or waves / math.ceil(waves) >= full_wave:
+            return splits
+    return tiles
 
 
 def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps: float, addend, statistics):
@@ -1135,7 +1140,7 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
         schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
     else:
         schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
-    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"], GRAD_MMA_MIN_WAVES)
+    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device

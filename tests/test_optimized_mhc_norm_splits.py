@@ -16,8 +16,7 @@ N = 4
 
 
 def _splits(tokens: int, hidden: int) -> tuple[int, int]:
-    schedule = mhc_norm.GRAD_MMA_SCHEDULE
-    return mhc_norm._grad_mma_splits(tokens, N * hidden, schedule["min_blocks"], mhc_norm.GRAD_MMA_MIN_WAVES)
+    return mhc_norm._grad_mma_splits(tokens, N * hidden, mhc_norm.GRAD_MMA_SCHEDULE["min_blocks"])
 
 
 @pytest.mark.parametrize("tokens", [1, 63, 64, 65, 130, 4001, 8192, 65537])
@@ -32,11 +31,11 @@ def test_every_split_holds_tiles_and_all_tiles_are_held(tokens, hidden):
 def test_the_count_ignores_the_sm_limit(monkeypatch):
     expected = {shape: _splits(*shape) for shape in [(8192, 7168), (4001, 1280), (130, 64)]}
     monkeypatch.setenv(SM_LIMIT_ENV, "114")
-    mhc_norm._grad_mma_splits.cache_clear()
+    mhc_norm._fewest_filling_splits.cache_clear()
     try:
         assert {shape: _splits(*shape) for shape in expected} == expected
     finally:
-        mhc_norm._grad_mma_splits.cache_clear()
+        mhc_norm._fewest_filling_splits.cache_clear()
 
 
 # (tokens, hidden) -> the split count that measured fastest on the H200 (the staged fp32 store and the
