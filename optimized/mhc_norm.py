@@ -492,14 +492,11 @@ def norm_fn_reduce_kernel(rows: int, weighted: bool, threads: int = REDUCE_THREA
 
 
 @jit()
-def norm_fn_reduce_columns_kernel(
-    rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS, paired: bool = False
-):
+def norm_fn_reduce_columns_kernel(rows: int, slots: int, weighted: bool, threads: int = REDUCE_THREADS):
     """The dfn / dγ reduction of the tensor-core layout ``partial[split, k, c]`` (``c = j`` hi,
     ``slots + j`` lo), the same sums in the same order: ``s_j = Σ_split (hi + lo)``. Each split's
     block of ``threads`` rows (``2·slots`` floats each) comes into shared memory whole (coalesced) with
-    a padded row, then thread k reads its row without bank conflicts. ``paired``: two splits' blocks
-    are loaded before each barrier (a DRAM round trip per two splits instead of per split)."""
+    a padded row, then thread k reads its row without bank conflicts."""
     columns = 2 * slots
     fn_span = T.dynamic("fn_span")
     gamma_span = T.dynamic("gamma_span")
@@ -527,33 +524,16 @@ def norm_fn_reduce_columns_kernel(
         with T.Kernel(T.ceildiv(features, threads), threads=threads) as (block,):
             tx = T.get_thread_binding()
             tile = T.alloc_shared((threads, columns + 1), "float32")
-            if paired:
-                second = T.alloc_shared((threads, columns + 1), "float32")
             sums = T.alloc_local((rows,), "float32")
             total = T.alloc_local((1,), "float32")
             first = block * threads
-            if paired:
+            load_split(partial, tile, 0, first)
+            for j in T.unroll(rows):
+                sums[j] = tile[tx, j] + tile[tx, slots + j]
+            for split in T.serial(1, splits):
+                load_split(partial, tile, split, first)
                 for j in T.unroll(rows):
-                    sums[j] = T.float32(0)  # (never added to: the first split's sum replaces it)
-                for pair in T.serial(T.ceildiv(splits, 2)):
-                    load_split(partial, tile, 2 * pair, first)
-                    # (A last odd split's partner reads that split again and is not added.)
-                    load_split(partial, second, T.min(2 * pair + 1, splits - 1), first)
-                    for j in T.unroll(rows):
-                        # The first split's sum as is, then each added in order: the unpaired bits.
-                        pair_sum = tile[tx, j] + tile[tx, slots + j]
-                        sums[j] = T.if_then_else(pair == 0, pair_sum, sums[j] + pair_sum)
-                    if 2 * pair + 1 < splits:
-                        for j in T.unroll(rows):
-                            sums[j] = sums[j] + (second[tx, j] + second[tx, slots + j])
-            else:
-                load_split(partial, tile, 0, first)
-                for j in T.unroll(rows):
-                    sums[j] = tile[tx, j] + tile[tx, slots + j]
-                for split in T.serial(1, splits):
-                    load_split(partial, tile, split, first)
-                    for j in T.unroll(rows):
-                        sums[j] = sums[j] + (tile[tx, j] + tile[tx, slots + j])
+                    sums[j] = sums[j] + (tile[tx, j] + tile[tx, slots + j])
             column = first + tx
             if column < features:
                 k64 = T.cast(column, "int64")
@@ -907,7 +887,6 @@ def norm_fn_grad_mma_kernel(
     accumulate: bool = False,
     shared_pair: bool = False,
     addend_stage: bool = False,
-    dsq_rows: bool = False,
 ):
     """Grid (feature blocks of block_features, token splits); per token tile of the split:
     ``dres[t, k] = Σ_r dsplit[t, r]·stacked[r, k] + dsq2[t]·x[t, k]`` (fp32; ``dsq2 = 2·dsq``, a
@@ -928,10 +907,7 @@ def norm_fn_grad_mma_kernel(
     with x's, instead of each thread's loads after the GEMMs, whose DRAM latency every tile waited
     for; dres then leaves through that stage buffer, once read, by one bulk copy (``staged_store``
     without a tile of its own: 16 KB, with 24 mixes the room a second CTA per SM needs), and the
-    buffer goes back to the producer after the TMA store has read it. ``dsq_rows``: the tile's 2·dsq
-    values come into a row fragment first (each thread loads the rows it holds in the accumulator,
-    two) instead of one load per accumulator element (the generated code repeats the load per
-    element: 32 per thread and tile); the same values."""
+    buffer goes back to the producer after the TMA store has read it."""
     if addend_stage and not accumulate:
         raise ValueError("addend_stage needs accumulate (an addend to load)")
     out_dtype = "bfloat16" if accumulate else "float32"
@@ -967,8 +943,6 @@ def norm_fn_grad_mma_kernel(
                 d_shared = T.alloc_shared((MMA_TOKENS, width), "bfloat16")
                 dfn_operand = T.alloc_shared((MMA_TOKENS, 2 * slots), "bfloat16")
             dx = T.alloc_fragment((MMA_TOKENS, block_features), "float32")
-            if dsq_rows:
-                dsq_row = T.alloc_fragment((MMA_TOKENS,), "float32")
             dfn = T.alloc_fragment((block_features, 2 * slots), "float32")
             sink = T.alloc_local((1,), "bfloat16")
             if accumulate:
@@ -1011,14 +985,8 @@ def norm_fn_grad_mma_kernel(
                     T.copy(dsplit[token, 0], dfn_operand)
                     T.gemm(d_shared, stacked_shared, dx, clear_accum=True)
                     T.gemm(x_shared, dfn_operand, dfn, transpose_A=True)
-                if dsq_rows:
-                    for i in T.Parallel(MMA_TOKENS):
-                        dsq_row[i] = dsq2[token + i]
-                    for i, k in T.Parallel(MMA_TOKENS, block_features):
-                        dx[i, k] = dx[i, k] + dsq_row[i] * T.cast(x_shared[i, k], "float32")
-                else:
-                    for i, k in T.Parallel(MMA_TOKENS, block_features):
-                        dx[i, k] = dx[i, k] + dsq2[token + i] * T.cast(x_shared[i, k], "float32")
+                for i, k in T.Parallel(MMA_TOKENS, block_features):
+                    dx[i, k] = dx[i, k] + dsq2[token + i] * T.cast(x_shared[i, k], "float32")
                 if addend_stage:
                     for i, k in T.Parallel(MMA_TOKENS, block_features):
                         dx_out[i, k] = T.cast(dx[i, k] + T.cast(addend_shared[i, k], "float32"), out_dtype)
@@ -1098,7 +1066,7 @@ GRAD_MMA_ADDEND_LOADS_SCHEDULE = {**GRAD_MMA_SCHEDULE, "staged_store": True, "sh
 FINISH_SCHEDULE = {"tile_tokens": FINISH_TOKENS, "threads": FINISH_THREADS}
 # norm_fn_reduce_columns_kernel's CTA (features per CTA): 32 a little ahead of 64 and 128 (0.3-1.5 µs of
 # ~17, same bits; the same sweep).
-GRAD_REDUCE_SCHEDULE = {"threads": 32, "paired": False}  # paired: for the next sweep
+GRAD_REDUCE_SCHEDULE = {"threads": 32}
 
 
 def _grad_mma_splits(tokens: int, features: int, min_blocks: int) -> tuple[int, int]:
@@ -1217,7 +1185,9 @@ def _backward_from_statistics(grad, out, statistics, features: int, eps: float, 
     tokens, rows = grad.shape
     half = 8 * ceil_div(rows, 8)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    finish_kernel = norm_fn_finish_kernel(rows, half, True, slots, from_statistics=True, **FINISH_SCHEDULE)
+    finish_kernel = norm_fn_finish_kernel(
+        rows, half, True, slots, from_statistics=True, contiguous_grad=grad.is_contiguous(), **FINISH_SCHEDULE
+    )
     if compiling_only():
         return
     device = grad.device
@@ -1256,7 +1226,10 @@ def _norm_fn_statistics_mma(
     mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
     slots = 0 if dsplit is None else dsplit.shape[1] // 3
     saved = statistics is not None  # (the forward's: it writes them)
-    finish_kernel = norm_fn_finish_kernel(rows, half, backward, slots, save_statistics=saved, **FINISH_SCHEDULE)
+    contiguous_grad = backward and grad.is_contiguous()
+    finish_kernel = norm_fn_finish_kernel(
+        rows, half, backward, slots, save_statistics=saved, contiguous_grad=contiguous_grad, **FINISH_SCHEDULE
+    )
     if compiling_only():
         return
     device = residual.device

@@ -252,6 +252,32 @@ def test_saved_statistics_give_the_recomputing_results_bit_for_bit(tokens, hidde
             assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+@pytest.mark.parametrize("tokens,hidden", [(37, 128), (4001, 2560)])
+@pytest.mark.parametrize("saved_statistics", [False, True])
+def test_norm_fn_bwd_strided_grad_gives_the_contiguous_bits(tokens, hidden, saved_statistics):
+    """The tensor-core backward's epilogue reads a contiguous grad at a linear index and any other
+    layout through its strides (with or without the forward's statistics): both give the same bits."""
+    grad, residual, fn, weight, addend = _backward_inputs("norm_fn_bwd_grad_layout", tokens, hidden, 0, True, False)
+    strided = _padded(grad.cpu(), 5, F32)
+    assert not strided.is_contiguous() or DEVICE != "cuda"
+    optimized = _optimized()
+    statistics = None
+    if saved_statistics:
+        statistics = torch.zeros(tokens, M + 1, device=DEVICE)
+        if DEVICE == "cuda":
+            statistics = optimized.mhc_pre_norm_fn(residual, fn, weight, EPS, save_statistics=True)[1]
+    if DEVICE != "cuda":
+        with compile_only():
+            optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, statistics=statistics)
+            optimized.mhc_pre_norm_fn_bwd(strided, residual, fn, weight, EPS, statistics=statistics)
+        return
+    with poison_outputs():
+        contiguous_results = optimized.mhc_pre_norm_fn_bwd(grad, residual, fn, weight, EPS, statistics=statistics)
+        strided_results = optimized.mhc_pre_norm_fn_bwd(strided, residual, fn, weight, EPS, statistics=statistics)
+    for a, b in zip(strided_results, contiguous_results, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("addend_kind", ["fp32", "shape"])
 def test_invalid_grad_addend_raises_the_reference_error(addend_kind):
     residual = torch.zeros(3, N, 64, dtype=BF16, device=DEVICE)
