@@ -108,6 +108,16 @@ def gate_bwd_shared_floats(
     return exchange_floats, accumulator_floats, accumulator_floats if weights_in_shared else 0
 
 
+def gate_bwd_row_stage_bytes(streams: int, vector: int, threads: int, columns_per_thread: int) -> int:
+    """Shared memory of ``gate_bwd_kernel``'s ``staged_rows``: a token's x and k vectors of every thread."""
+    return 2 * columns_per_thread * streams * 2 * threads * vector
+
+
+# engram_gate_bwd's next-token x / k through cp.async (``gate_bwd_kernel``'s ``staged_rows``): for the
+# next sweep, off until timed.
+GATE_BWD_STAGED_ROWS = False
+
+
 def _vector_width(width: int, max_vector: int, tensors) -> int:
     """Widest vector (elements, at most ``max_vector``) dividing ``width`` and every leading stride
     of ``tensors`` (of dimensions longer than 1), with every base address aligned to the vector's
@@ -560,7 +570,7 @@ def gate_bwd_kernel(
     prefetch: bool = True,
     weights_in_shared: bool = False,
     packed_outputs: bool = True,
-    coefficients_first: bool = False,
+    staged_rows: bool = False,
 ):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
     stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.
@@ -578,10 +588,11 @@ def gate_bwd_kernel(
     so their offsets are dx's and the row's (the token strides ``dk_token_stride`` and
     ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride.
 
-    ``coefficients_first``: the token's x and k coefficients and β's factor ``√(∂s/∂dot / |dot|)`` (three
-    IEEE divisions and a square root per stream, none of which needs the row sums) are computed before
-    the dg barrier, where they overlap the loads' latency, leaving only β's product after it (the same
-    operations on the same values: the same bits)."""
+    ``staged_rows``: the next token's x and k rows are copied into shared memory by ``cp.async``
+    (``gate_bwd_row_stage_bytes`` more), issued after the token's dg barrier, so they travel while
+    this token's gradients are computed and stored, when no load was in flight; each thread copies
+    and later reads back only its own vectors (a wait, no barrier). The copy into a slot is issued
+    after the barrier that follows the slot's last read, which orders the read before it."""
     warps = threads // 32
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
@@ -598,6 +609,11 @@ def gate_bwd_kernel(
 
     def weight_offset(i, m, h, tx):
         return accumulator_offset(i, m, h, tx) + accumulator_floats
+
+    def row_stage_offset(i, m, which, tx):
+        """bf16 offset of this thread's vector of x (``which`` 0) or k (1) in the row stage:
+        consecutive threads' vectors adjacent (16-byte accesses without bank conflicts)."""
+        return (((i * streams + m) * 2 + which) * threads + tx) * vector
 
     go_span = T.dynamic("go_span")
     x_span = T.dynamic("x_span")
@@ -641,6 +657,34 @@ def gate_bwd_kernel(
             streams,
             vector,
         )
+
+    @T.macro
+    def stage_rows(
+        x, k, row_stage, token, tx, hidden_vectors, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride
+    ):
+        """Start the copies of token ``token``'s x and k vectors of this thread into the row stage
+        (one commit group)."""
+        x_row = T.cast(token, "int64") * x_token_stride
+        k_row = T.cast(token, "int64") * k_token_stride
+        for i in T.unroll(columns_per_thread):
+            column = i * threads + tx
+            if column < hidden_vectors:
+                for m in T.unroll(streams):
+                    # Extern calls: TileLang's barrier planner would take a copy for a write by any
+                    # thread and fence the stage's reads with barriers of their own.
+                    T.call_extern(
+                        "handle",
+                        f"tl::cp_async_gs<{2 * vector}>",
+                        T.address_of(row_stage[row_stage_offset(i, m, 0, tx)]),
+                        T.address_of(x[(x_row + m * x_stream_stride + column) * vector]),
+                    )
+                    T.call_extern(
+                        "handle",
+                        f"tl::cp_async_gs<{2 * vector}>",
+                        T.address_of(row_stage[row_stage_offset(i, m, 1, tx)]),
+                        T.address_of(k[(k_row + m * k_stream_stride + column) * vector]),
+                    )
+        T.ptx_commit_group()
 
     @T.prim_func
     def kernel(
@@ -689,8 +733,6 @@ def gate_bwd_kernel(
             sums = T.alloc_local((streams,), "float32")
             gates = T.alloc_local((streams,), "float32")
             betas = T.alloc_local((streams,), "float32")
-            beta_factors = T.alloc_local((streams,), "float32")
-            clamps = T.alloc_local((streams,), "float32")  # 1 where β is clamped to 0
             token_dot = T.alloc_local((streams,), "float32")
             token_rstd_x = T.alloc_local((streams,), "float32")
             token_rstd_k = T.alloc_local((streams,), "float32")
@@ -699,6 +741,8 @@ def gate_bwd_kernel(
             dv_values = T.alloc_local((vector,), "float32")
             staged = T.alloc_local((vector,), "float32")
             shared = T.alloc_shared((exchange_floats + accumulator_floats + weight_floats,), "float32")
+            if staged_rows:
+                row_stage = T.alloc_shared((columns_per_thread * streams * 2 * threads * vector,), "bfloat16")
 
             for i in T.unroll(columns_per_thread):
                 for m in T.unroll(streams):
@@ -717,6 +761,19 @@ def gate_bwd_kernel(
 
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
+            if staged_rows and first < last:
+                stage_rows(
+                    x,
+                    k,
+                    row_stage,
+                    first,
+                    tx,
+                    hidden_vectors,
+                    x_token_stride,
+                    x_stream_stride,
+                    k_token_stride,
+                    k_stream_stride,
+                )
             if prefetch and first < last:
                 load_gradient_rows(
                     grad_out,
@@ -766,14 +823,15 @@ def gate_bwd_kernel(
                         go_stream_stride,
                         v_token_stride,
                     )
-                for i in T.unroll(columns_per_thread):
-                    column = i * threads + tx
-                    if column < hidden_vectors:
-                        for m in T.unroll(streams):
-                            for e in T.vectorized(vector):
-                                xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
-                            for e in T.vectorized(vector):
-                                ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                if not staged_rows:
+                    for i in T.unroll(columns_per_thread):
+                        column = i * threads + tx
+                        if column < hidden_vectors:
+                            for m in T.unroll(streams):
+                                for e in T.vectorized(vector):
+                                    xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
+                                for e in T.vectorized(vector):
+                                    ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
                 # The token's statistics with its gates, at its start: loaded after the dg barrier,
                 # their latency would sit on every token's critical path.
                 for m in T.unroll(streams):
@@ -802,37 +860,48 @@ def gate_bwd_kernel(
                     for m in T.unroll(streams):
                         for e in T.unroll(vector):
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
-                if coefficients_first:
-                    for m in T.unroll(streams):
-                        dot_value = token_dot[m]
-                        rx = token_rstd_x[m]
-                        rk = token_rstd_k[m]
-                        norms = rx * rk * scale
-                        clamped = T.abs(dot_value) * norms < clamp_value
-                        safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                        clamps[m] = T.if_then_else(clamped, T.float32(1), T.float32(0))
-                        beta_factors[m] = T.sqrt(T.ieee_fdiv(norms, safe_dot))
-                        x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                        k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+                if staged_rows:
+                    # This token's rows, copied during the previous token (the warp sync keeps the
+                    # compiler from moving the reads above the wait); read before the barrier below,
+                    # after which the next token's copies overwrite them.
+                    T.call_extern("handle", "tl::cp_async_wait<0>")
+                    T.sync_warp()
+                    for i in T.unroll(columns_per_thread):
+                        column = i * threads + tx
+                        if column < hidden_vectors:
+                            for m in T.unroll(streams):
+                                for e in T.vectorized(vector):
+                                    xs[i, m, e] = row_stage[row_stage_offset(i, m, 0, tx) + e]
+                                for e in T.vectorized(vector):
+                                    ks[i, m, e] = row_stage[row_stage_offset(i, m, 1, tx) + e]
                 cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
+                if staged_rows and token + 1 < last:
+                    stage_rows(
+                        x,
+                        k,
+                        row_stage,
+                        token + 1,
+                        tx,
+                        hidden_vectors,
+                        x_token_stride,
+                        x_stream_stride,
+                        k_token_stride,
+                        k_stream_stride,
+                    )
 
                 for m in T.unroll(streams):
-                    if coefficients_first:
-                        slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
-                        betas[m] = T.if_then_else(clamps[m] != T.float32(0), T.float32(0), slope * beta_factors[m])
-                    else:
-                        dot_value = token_dot[m]
-                        rx = token_rstd_x[m]
-                        rk = token_rstd_k[m]
-                        norms = rx * rk * scale  # ∂s/∂dot
-                        # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
-                        # divides by 1 instead (as the reference's safe_dot).
-                        clamped = T.abs(dot_value) * norms < clamp_value
-                        safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                        slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
-                        betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                        x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                        k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+                    dot_value = token_dot[m]
+                    rx = token_rstd_x[m]
+                    rk = token_rstd_k[m]
+                    norms = rx * rk * scale  # ∂s/∂dot
+                    # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
+                    # divides by 1 instead (as the reference's safe_dot).
+                    clamped = T.abs(dot_value) * norms < clamp_value
+                    safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                    slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
+                    betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+                    x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                    k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
 
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
@@ -929,7 +998,12 @@ def engram_gate_bwd(
     vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
     threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
     shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
-    weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
+    # cp.async copies 4, 8 or 16 bytes: vectors of 2 to 8 bf16.
+    stage_bytes = gate_bwd_row_stage_bytes(streams, vector, threads, columns_per_thread)
+    staged_rows = GATE_BWD_STAGED_ROWS and vector >= 2
+    if staged_rows and 4 * sum(shared_floats[:2]) + stage_bytes > SHARED_MEMORY_BYTES:
+        staged_rows = False
+    weights_in_shared = 4 * sum(shared_floats) + (stage_bytes if staged_rows else 0) <= SHARED_MEMORY_BYTES
     # With w in shared memory the next token's rows are better loaded in turn than prefetched (387.3
     # against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
     kernel = gate_bwd_kernel(
@@ -937,9 +1011,10 @@ def engram_gate_bwd(
         vector,
         threads,
         columns_per_thread,
-        prefetch=not weights_in_shared,
+        prefetch=not weights_in_shared and not staged_rows,
         weights_in_shared=weights_in_shared,
         packed_outputs=grad_kv is None,
+        staged_rows=staged_rows,
     )
     if compiling_only():
         return dx, dk, dv, dw_partial
