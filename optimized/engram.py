@@ -85,14 +85,22 @@ def gate_schedule(hidden: int, vector: int) -> tuple[int, int]:
 
 
 def gate_bwd_schedule(hidden: int, vector: int) -> tuple[int, int]:
-    """The backward's CTA shape: ``gate_schedule``'s up to 512 columns; wider rows take four columns
-    per thread. Each of its CTAs walks a block of tokens one by one (one ``dw_partial`` row per CTA)
-    with a CTA-wide sum per token on the critical path, which fewer warps make shorter: 950 µs
-    against 1134 µs at 448 threads × 2 (T 8192, D 7168, H200), while the forward is fastest at
-    448 × 2 (407 µs against 668 µs at 224 × 4)."""
+    """The backward's CTA shape. Each of its CTAs walks a block of tokens one by one (one ``dw_partial``
+    row per CTA) with a CTA-wide sum per token on the critical path, and one CTA per SM (its rows take
+    most of the registers), so a thread's work per token is what its warps' latency hides:
+
+    - up to 256 columns (D ≤ 2048 at bf16): ``gate_schedule``'s 256 threads × 2;
+    - up to 512 columns: one column per thread, whole warps (512 threads at D = 4096, 128 registers):
+      against 256 × 2 (207 registers), T 4001 D 4096 with ``grad_kv``'s strided outputs 203.6 → 193.8 µs,
+      the packed outputs 384.3 → 383.7 µs at T 8192 (H200);
+    - wider rows: four columns per thread (224 threads at D = 7168): 950 µs against 1134 µs at 448 × 2
+      (T 8192, H200), while the forward is fastest at 448 × 2 (407 µs against 668 µs at 224 × 4).
+    """
     columns = max(1, hidden // vector)
-    if columns <= 2 * GATE_THREADS:
+    if columns <= GATE_THREADS:
         return gate_schedule(hidden, vector)
+    if columns <= MAX_GATE_THREADS:
+        return 32 * ceil_div(columns, 32), 1
     per_thread = max(4, ceil_div(columns, MAX_GATE_THREADS))
     return min(MAX_GATE_THREADS, 32 * ceil_div(ceil_div(columns, per_thread), 32)), per_thread
 
@@ -106,16 +114,6 @@ def gate_bwd_shared_floats(
     exchange_floats = 8 * ceil_div(2 * (threads // 32) * streams, 8)
     accumulator_floats = columns_per_thread * streams * threads * vector
     return exchange_floats, accumulator_floats, accumulator_floats if weights_in_shared else 0
-
-
-def gate_bwd_row_stage_bytes(streams: int, vector: int, threads: int, columns_per_thread: int) -> int:
-    """Shared memory of ``gate_bwd_kernel``'s ``staged_rows``: a token's x and k vectors of every thread."""
-    return 2 * columns_per_thread * streams * 2 * threads * vector
-
-
-# engram_gate_bwd's next-token x / k through cp.async (``gate_bwd_kernel``'s ``staged_rows``): for the
-# next sweep, off until timed.
-GATE_BWD_STAGED_ROWS = False
 
 
 def _vector_width(width: int, max_vector: int, tensors) -> int:
@@ -570,7 +568,6 @@ def gate_bwd_kernel(
     prefetch: bool = True,
     weights_in_shared: bool = False,
     packed_outputs: bool = True,
-    staged_rows: bool = False,
 ):
     """Factory over n, the vector width and the CTA shape; T, D, P, the block length and every
     stride (in vectors) are runtime values. Grid: one CTA per token block of ``dw_partial``.
@@ -586,13 +583,7 @@ def gate_bwd_kernel(
 
     ``packed_outputs``: dk has dx's layout (``[T, n, D]`` contiguous) and dv is ``[T, D]`` contiguous,
     so their offsets are dx's and the row's (the token strides ``dk_token_stride`` and
-    ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride.
-
-    ``staged_rows``: the next token's x and k rows are copied into shared memory by ``cp.async``
-    (``gate_bwd_row_stage_bytes`` more), issued after the token's dg barrier, so they travel while
-    this token's gradients are computed and stored, when no load was in flight; each thread copies
-    and later reads back only its own vectors (a wait, no barrier). The copy into a slot is issued
-    after the barrier that follows the slot's last read, which orders the read before it."""
+    ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride."""
     warps = threads // 32
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
@@ -609,11 +600,6 @@ def gate_bwd_kernel(
 
     def weight_offset(i, m, h, tx):
         return accumulator_offset(i, m, h, tx) + accumulator_floats
-
-    def row_stage_offset(i, m, which, tx):
-        """bf16 offset of this thread's vector of x (``which`` 0) or k (1) in the row stage:
-        consecutive threads' vectors adjacent (16-byte accesses without bank conflicts)."""
-        return (((i * streams + m) * 2 + which) * threads + tx) * vector
 
     go_span = T.dynamic("go_span")
     x_span = T.dynamic("x_span")
@@ -657,34 +643,6 @@ def gate_bwd_kernel(
             streams,
             vector,
         )
-
-    @T.macro
-    def stage_rows(
-        x, k, row_stage, token, tx, hidden_vectors, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride
-    ):
-        """Start the copies of token ``token``'s x and k vectors of this thread into the row stage
-        (one commit group)."""
-        x_row = T.cast(token, "int64") * x_token_stride
-        k_row = T.cast(token, "int64") * k_token_stride
-        for i in T.unroll(columns_per_thread):
-            column = i * threads + tx
-            if column < hidden_vectors:
-                for m in T.unroll(streams):
-                    # Extern calls: TileLang's barrier planner would take a copy for a write by any
-                    # thread and fence the stage's reads with barriers of their own.
-                    T.call_extern(
-                        "handle",
-                        f"tl::cp_async_gs<{2 * vector}>",
-                        T.address_of(row_stage[row_stage_offset(i, m, 0, tx)]),
-                        T.address_of(x[(x_row + m * x_stream_stride + column) * vector]),
-                    )
-                    T.call_extern(
-                        "handle",
-                        f"tl::cp_async_gs<{2 * vector}>",
-                        T.address_of(row_stage[row_stage_offset(i, m, 1, tx)]),
-                        T.address_of(k[(k_row + m * k_stream_stride + column) * vector]),
-                    )
-        T.ptx_commit_group()
 
     @T.prim_func
     def kernel(
@@ -741,8 +699,6 @@ def gate_bwd_kernel(
             dv_values = T.alloc_local((vector,), "float32")
             staged = T.alloc_local((vector,), "float32")
             shared = T.alloc_shared((exchange_floats + accumulator_floats + weight_floats,), "float32")
-            if staged_rows:
-                row_stage = T.alloc_shared((columns_per_thread * streams * 2 * threads * vector,), "bfloat16")
 
             for i in T.unroll(columns_per_thread):
                 for m in T.unroll(streams):
@@ -761,19 +717,6 @@ def gate_bwd_kernel(
 
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
-            if staged_rows and first < last:
-                stage_rows(
-                    x,
-                    k,
-                    row_stage,
-                    first,
-                    tx,
-                    hidden_vectors,
-                    x_token_stride,
-                    x_stream_stride,
-                    k_token_stride,
-                    k_stream_stride,
-                )
             if prefetch and first < last:
                 load_gradient_rows(
                     grad_out,
@@ -823,15 +766,14 @@ def gate_bwd_kernel(
                         go_stream_stride,
                         v_token_stride,
                     )
-                if not staged_rows:
-                    for i in T.unroll(columns_per_thread):
-                        column = i * threads + tx
-                        if column < hidden_vectors:
-                            for m in T.unroll(streams):
-                                for e in T.vectorized(vector):
-                                    xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
-                                for e in T.vectorized(vector):
-                                    ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
+                for i in T.unroll(columns_per_thread):
+                    column = i * threads + tx
+                    if column < hidden_vectors:
+                        for m in T.unroll(streams):
+                            for e in T.vectorized(vector):
+                                xs[i, m, e] = x[(x_row + m * x_stream_stride + column) * vector + e]
+                            for e in T.vectorized(vector):
+                                ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
                 # The token's statistics with its gates, at its start: loaded after the dg barrier,
                 # their latency would sit on every token's critical path.
                 for m in T.unroll(streams):
@@ -860,34 +802,7 @@ def gate_bwd_kernel(
                     for m in T.unroll(streams):
                         for e in T.unroll(vector):
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
-                if staged_rows:
-                    # This token's rows, copied during the previous token (the warp sync keeps the
-                    # compiler from moving the reads above the wait); read before the barrier below,
-                    # after which the next token's copies overwrite them.
-                    T.call_extern("handle", "tl::cp_async_wait<0>")
-                    T.sync_warp()
-                    for i in T.unroll(columns_per_thread):
-                        column = i * threads + tx
-                        if column < hidden_vectors:
-                            for m in T.unroll(streams):
-                                for e in T.vectorized(vector):
-                                    xs[i, m, e] = row_stage[row_stage_offset(i, m, 0, tx) + e]
-                                for e in T.vectorized(vector):
-                                    ks[i, m, e] = row_stage[row_stage_offset(i, m, 1, tx) + e]
                 cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
-                if staged_rows and token + 1 < last:
-                    stage_rows(
-                        x,
-                        k,
-                        row_stage,
-                        token + 1,
-                        tx,
-                        hidden_vectors,
-                        x_token_stride,
-                        x_stream_stride,
-                        k_token_stride,
-                        k_stream_stride,
-                    )
 
                 for m in T.unroll(streams):
                     dot_value = token_dot[m]
@@ -998,12 +913,7 @@ def engram_gate_bwd(
     vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
     threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
     shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
-    # cp.async copies 4, 8 or 16 bytes: vectors of 2 to 8 bf16.
-    stage_bytes = gate_bwd_row_stage_bytes(streams, vector, threads, columns_per_thread)
-    staged_rows = GATE_BWD_STAGED_ROWS and vector >= 2
-    if staged_rows and 4 * sum(shared_floats[:2]) + stage_bytes > SHARED_MEMORY_BYTES:
-        staged_rows = False
-    weights_in_shared = 4 * sum(shared_floats) + (stage_bytes if staged_rows else 0) <= SHARED_MEMORY_BYTES
+    weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
     # With w in shared memory the next token's rows are better loaded in turn than prefetched (387.3
     # against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
     kernel = gate_bwd_kernel(
@@ -1011,10 +921,9 @@ def engram_gate_bwd(
         vector,
         threads,
         columns_per_thread,
-        prefetch=not weights_in_shared and not staged_rows,
+        prefetch=not weights_in_shared,
         weights_in_shared=weights_in_shared,
         packed_outputs=grad_kv is None,
-        staged_rows=staged_rows,
     )
     if compiling_only():
         return dx, dk, dv, dw_partial
