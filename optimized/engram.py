@@ -339,6 +339,40 @@ def cta_sums(sums, exchange, slot, count: int, lane, warp, warps: int):
             sums[s] = sums[s] + exchange[(slot * warps + w) * count + s]
 
 
+def halving_steps(count: int) -> int:
+    """The halving steps of ``cta_stream_totals`` over ``count`` values: log2 of ``count`` padded to
+    a power of two."""
+    return (count - 1).bit_length()
+
+
+@T.macro
+def cta_stream_totals(sums, total, exchange, slot, count: int, steps: int, lane, warp, warps: int):
+    """``sums[0:2^steps]`` (this thread's fp32 partials of ``count`` streams, zero-padded) → in
+    ``total[0]``, the CTA's total of stream ``lane % count``, in every lane of every warp.
+
+    The bits are ``cta_sums``': each total is the same balanced tree over a warp's lanes (step j adds
+    a lane's value and that of its partner at distance 2^j), then the warps' partials in warp order.
+    But a warp halves the values it carries at each of the first ``steps`` steps: at step j a lane
+    keeps the streams whose bit j is its lane's bit j and sends the others to its partner, which keeps
+    those. n = 4 streams cost 6 shuffles instead of 20, lane l ends with its warp's total of stream
+    l mod 2^steps, and each lane reads back its one stream's ``warps`` partials instead of every
+    stream's."""
+    for bit in T.unroll(steps):
+        odd = ((lane >> bit) & 1) == 1
+        for index in T.unroll((1 << steps) >> (bit + 1)):
+            sent = T.if_then_else(odd, sums[2 * index], sums[2 * index + 1])
+            kept = T.if_then_else(odd, sums[2 * index + 1], sums[2 * index])
+            sums[index] = kept + T.shfl_xor(sent, 1 << bit)
+    for bit in T.unroll(steps, 5):
+        sums[0] = sums[0] + T.shfl_xor(sums[0], 1 << bit)
+    if lane < count:
+        exchange[(slot * warps + warp) * count + lane] = sums[0]
+    T.sync_threads()
+    total[0] = exchange[slot * warps * count + lane % count]
+    for w in T.unroll(1, warps):
+        total[0] = total[0] + exchange[(slot * warps + w) * count + lane % count]
+
+
 def _as_float(value):
     return T.cast(value, "float32")
 
@@ -585,6 +619,10 @@ def gate_bwd_kernel(
     so their offsets are dx's and the row's (the token strides ``dk_token_stride`` and
     ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride."""
     warps = threads // 32
+    if streams > 32:
+        raise ValueError(f"gate_bwd_kernel: streams must be at most 32 (one per lane), got {streams}")
+    steps = halving_steps(streams)
+    padded_streams = 1 << steps
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
     # Σ β·x⊙k (16-byte aligned) as [columns_per_thread, n, pieces, threads, piece]: a thread's
     # vector is split in 16-byte pieces, consecutive threads' pieces adjacent (no bank conflicts);
@@ -688,12 +726,13 @@ def gate_bwd_kernel(
             next_gos = T.alloc_local((columns_per_thread, streams, vector), "bfloat16")
             next_vs = T.alloc_local((columns_per_thread, vector), "bfloat16")
             ws = T.alloc_local((vector,), "float32")
-            sums = T.alloc_local((streams,), "float32")
+            sums = T.alloc_local((padded_streams,), "float32")
+            total = T.alloc_local((1,), "float32")
             gates = T.alloc_local((streams,), "float32")
             betas = T.alloc_local((streams,), "float32")
-            token_dot = T.alloc_local((streams,), "float32")
-            token_rstd_x = T.alloc_local((streams,), "float32")
-            token_rstd_k = T.alloc_local((streams,), "float32")
+            # The statistics of stream lane % n: each lane computes one stream's β and coefficients.
+            lane_statistics = T.alloc_local((4,), "float32")
+            lane_results = T.alloc_local((3,), "float32")  # β, the x and the k coefficient
             x_coefficients = T.alloc_local((streams,), "float32")
             k_coefficients = T.alloc_local((streams,), "float32")
             dv_values = T.alloc_local((vector,), "float32")
@@ -778,9 +817,10 @@ def gate_bwd_kernel(
                 # their latency would sit on every token's critical path.
                 for m in T.unroll(streams):
                     gates[m] = gate[token * streams + m]
-                    token_dot[m] = dot[token * streams + m]
-                    token_rstd_x[m] = rstd_x[token * streams + m]
-                    token_rstd_k[m] = rstd_k[token * streams + m]
+                lane_statistics[0] = dot[token * streams + lane % streams]
+                lane_statistics[1] = rstd_x[token * streams + lane % streams]
+                lane_statistics[2] = rstd_k[token * streams + lane % streams]
+                lane_statistics[3] = gate[token * streams + lane % streams]
 
                 # dv needs no reduction: store it while the dg partials travel.
                 out_row = T.cast(token, "int64") * streams * hidden_vectors
@@ -796,27 +836,33 @@ def gate_bwd_kernel(
                         for e in T.vectorized(vector):
                             dv[(dv_row + column) * vector + e] = T.cast(dv_values[e], "bfloat16")
 
-                for m in T.unroll(streams):
+                for m in T.unroll(padded_streams):
                     sums[m] = T.float32(0)
                 for i in T.unroll(columns_per_thread):
                     for m in T.unroll(streams):
                         for e in T.unroll(vector):
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
-                cta_sums(sums, shared, token % 2, streams, lane, warp, warps)
+                cta_stream_totals(sums, total, shared, token % 2, streams, steps, lane, warp, warps)
 
+                # β and the coefficients of stream lane % n, then every stream's from its lane: one
+                # chain of IEEE divisions and a square root per lane instead of n per thread.
+                dot_value = lane_statistics[0]
+                rx = lane_statistics[1]
+                rk = lane_statistics[2]
+                lane_gate = lane_statistics[3]
+                norms = rx * rk * scale  # ∂s/∂dot
+                # β = 0 on the clamped branch; |dot| there may be 0, so the other branch divides by 1
+                # instead (as the reference's safe_dot).
+                clamped = T.abs(dot_value) * norms < clamp_value
+                safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                slope = total[0] * lane_gate * (T.float32(1) - lane_gate) * T.float32(0.5)
+                lane_results[0] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+                lane_results[1] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                lane_results[2] = T.ieee_fdiv(dot_value * rk * rk, hidden)
                 for m in T.unroll(streams):
-                    dot_value = token_dot[m]
-                    rx = token_rstd_x[m]
-                    rk = token_rstd_k[m]
-                    norms = rx * rk * scale  # ∂s/∂dot
-                    # β = 0 on the clamped branch; |dot| there may be 0, so the other branch
-                    # divides by 1 instead (as the reference's safe_dot).
-                    clamped = T.abs(dot_value) * norms < clamp_value
-                    safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                    slope = sums[m] * gates[m] * (T.float32(1) - gates[m]) * T.float32(0.5)
-                    betas[m] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                    x_coefficients[m] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                    k_coefficients[m] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+                    betas[m] = T.shfl_sync(lane_results[0], m)
+                    x_coefficients[m] = T.shfl_sync(lane_results[1], m)
+                    k_coefficients[m] = T.shfl_sync(lane_results[2], m)
 
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
