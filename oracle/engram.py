@@ -468,7 +468,7 @@ class GateOp(FloatOp):
         k = normal((T, N, D), generator, k_scale).to(BF16).float()
         v = normal((T, D), generator)
         if T >= 3:
-            x[1, 2] = 0.0  # only eps keeps rstd_x finite; s = 0: gate ½, the clamped branch
+            x[1, min(2, N - 1)] = 0.0  # only eps keeps rstd_x finite; s = 0: gate ½, the clamped branch
             k[2, 0] = 0.0
         _keep_s_off_singular_points(x, k, w, p.clamp_value, k_scale, generator)
         x = x.to(BF16).to(device)

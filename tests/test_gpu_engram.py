@@ -244,6 +244,21 @@ def test_engram_gate_bwd_within_oracle_bounds(tokens, hidden, layout, partials, 
     _assert_same_bits(empty, torch.zeros_like(empty), "empty blocks")
 
 
+# The oracle's cases all have n = 4. The backward's lane-owned stream totals halve the streams once per
+# lane bit: none for n = 1, one step for 2, three for 8, and n = 3 padded to 4 with zero streams; the
+# policies' bounds hold per stream, whatever n.
+@pytest.mark.parametrize("streams", [1, 2, 3, 8])
+@pytest.mark.parametrize("tokens,hidden,partials", [(37, 1000, 5), (300, 4096, 132)])
+def test_engram_gate_bwd_other_stream_counts(monkeypatch, streams, tokens, hidden, partials):
+    monkeypatch.setattr(spec, "N", streams)
+    op = spec.GateBwd()
+    case, call = _gate_case(op, tokens, hidden, "fused", num_partials=partials)
+    assert call.args[1].shape == (tokens, streams, hidden)
+    with poison_outputs():
+        actual = op.split(call(_optimized().engram_gate_bwd))
+    _assert_within_policy(op, case, call, actual)
+
+
 # --- grad_w_reduce ------------------------------------------------------------------------------
 
 
