@@ -55,6 +55,7 @@ from tileproof.reference.engram import (
 
 from .device import SHARED_MEMORY_BYTES
 from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from .warp import halving_butterfly, halving_steps
 
 __all__ = ["engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"]
 
@@ -339,12 +340,6 @@ def cta_sums(sums, exchange, slot, count: int, lane, warp, warps: int):
             sums[s] = sums[s] + exchange[(slot * warps + w) * count + s]
 
 
-def halving_steps(count: int) -> int:
-    """The halving steps of ``cta_stream_totals`` over ``count`` values: log2 of ``count`` padded to
-    a power of two."""
-    return (count - 1).bit_length()
-
-
 @T.macro
 def cta_stream_totals(sums, total, exchange, slot, count: int, steps: int, lane, warp, warps: int):
     """``sums[0:2^steps]`` (this thread's fp32 partials of ``count`` streams, zero-padded) → in
@@ -352,19 +347,10 @@ def cta_stream_totals(sums, total, exchange, slot, count: int, steps: int, lane,
 
     The bits are ``cta_sums``': each total is the same balanced tree over a warp's lanes (step j adds
     a lane's value and that of its partner at distance 2^j), then the warps' partials in warp order.
-    But a warp halves the values it carries at each of the first ``steps`` steps: at step j a lane
-    keeps the streams whose bit j is its lane's bit j and sends the others to its partner, which keeps
-    those. n = 4 streams cost 6 shuffles instead of 20, lane l ends with its warp's total of stream
-    l mod 2^steps, and each lane reads back its one stream's ``warps`` partials instead of every
-    stream's."""
-    for bit in T.unroll(steps):
-        odd = ((lane >> bit) & 1) == 1
-        for index in T.unroll((1 << steps) >> (bit + 1)):
-            sent = T.if_then_else(odd, sums[2 * index], sums[2 * index + 1])
-            kept = T.if_then_else(odd, sums[2 * index + 1], sums[2 * index])
-            sums[index] = kept + T.shfl_xor(sent, 1 << bit)
-    for bit in T.unroll(steps, 5):
-        sums[0] = sums[0] + T.shfl_xor(sums[0], 1 << bit)
+    But the warp sum is ``halving_butterfly``'s (partners at distance 1, 2, … 16): n = 4 streams cost
+    6 shuffles instead of 20, lane l ends with its warp's total of stream l mod 2^steps, and each
+    lane reads back its one stream's ``warps`` partials instead of every stream's."""
+    halving_butterfly(sums, steps, lane, False)
     if lane < count:
         exchange[(slot * warps + warp) * count + lane] = sums[0]
     T.sync_threads()
@@ -619,8 +605,6 @@ def gate_bwd_kernel(
     so their offsets are dx's and the row's (the token strides ``dk_token_stride`` and
     ``dv_token_stride`` are not read); otherwise (``grad_kv``'s views) each has its own token stride."""
     warps = threads // 32
-    if streams > 32:
-        raise ValueError(f"gate_bwd_kernel: streams must be at most 32 (one per lane), got {streams}")
     steps = halving_steps(streams)
     padded_streams = 1 << steps
     # One fp32 shared buffer: two alternating slots of the warps' dg partials, then the block's
@@ -937,9 +921,13 @@ def engram_gate_bwd(
 
     ``grad_kv`` (optional): the fused projection's gradient buffer, as in the reference; the kernel
     writes dk and dv straight into it, so a caller whose k and v are views of one tensor gets that
-    tensor's gradient without autograd's zero fill and slice copies."""
+    tensor's gradient without autograd's zero fill and slice copies.
+
+    At most 32 streams (n ≤ 32; ``ValueError`` otherwise): one lane per stream finishes its sums."""
     clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
     tokens, streams, hidden = x.shape
+    if streams > 32:
+        raise ValueError(f"x must have at most 32 streams (dimension 1) for the optimized backward, got {streams}")
     require_cuda("x", x)
 
     device = x.device

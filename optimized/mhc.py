@@ -53,6 +53,7 @@ from tileproof.reference.mhc import (
 )
 
 from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from .warp import halved_index, halving_butterfly, halving_steps
 
 # The norm-fn kernels and the fused / multilayer paths live in their own modules, which import the
 # kernels of this one: they are looked up on first use (PEP 562 ``__getattr__`` at the end), so
@@ -534,15 +535,7 @@ def _channel_strides(tensor: torch.Tensor, vector: int) -> list[int]:
 def cta_sum_slots(count: int) -> int:
     """The fp32 slots ``cta_sum`` needs for ``count`` values per thread: up to 32 values, ``count``
     padded to a power of two (the halving butterfly's), else ``count``."""
-    return 1 << (count - 1).bit_length() if count <= 32 else count
-
-
-def _halved_index(lane, halvings: int):
-    """The value a lane holds after ``cta_sum``'s halvings: its lane bits 4, 3, … as index bits 0, 1, …"""
-    index = 0
-    for step in range(halvings):
-        index = index + (((lane >> (4 - step)) & 1) << step)
-    return index
+    return 1 << halving_steps(count) if count <= 32 else count
 
 
 @T.macro
@@ -551,25 +544,14 @@ def cta_sum(partials, warp_sums, lane, warp, count: int, warps: int):
     zero) → the CTA's sum in ``partials[k]`` of thread 0: a warp butterfly (partners at distance 16,
     8, 4, 2, 1), then one shared-memory slot per warp and value, added in warp order.
 
-    Up to 32 values, the butterfly halves the values a lane carries at each of its first log2(padded)
-    steps: at step j a lane keeps the values whose index bit j is its lane bit 4 − j and sends the
-    others to its partner, which keeps those. Each value's sum is the same tree over the lanes as
-    with every value carried through every step (the same bits), for ``padded − 1`` shuffles instead
-    of 5·``count`` (31 instead of 100 for ``mhc_post_bwd``'s 20 sums at n 4)."""
+    Up to 32 values the warp sum is ``halving_butterfly``'s (the same trees, hence the same bits):
+    ``padded − 1`` shuffles instead of 5·``count`` (31 instead of 100 for ``mhc_post_bwd``'s 20 sums
+    at n 4)."""
     if count <= 32:
-        halvings = (count - 1).bit_length()
-        for step in T.unroll(halvings):
-            upper = ((lane >> (4 - step)) & 1) == 1
-            # A constant trip count with a guard, not a bound that depends on the step: nvcc then
-            # unrolls both loops and keeps the values in registers (else they go to the stack).
-            for index in T.unroll(1 << max(halvings - 1, 0)):
-                if index < (1 << halvings) >> (step + 1):
-                    sent = T.if_then_else(upper, partials[2 * index], partials[2 * index + 1])
-                    kept = T.if_then_else(upper, partials[2 * index + 1], partials[2 * index])
-                    partials[index] = kept + T.shfl_xor(sent, 1 << (4 - step))
-        for step in T.unroll(halvings, 5):
-            partials[0] = partials[0] + T.shfl_xor(partials[0], 1 << (4 - step))
-        held = _halved_index(lane, halvings)
+        halvings = halving_steps(count)
+        halving_butterfly(partials, halvings, lane, True)
+        held = halved_index(lane, halvings, True)
+        # One lane per value: those whose lane bits below the halvings' are zero.
         if (lane & ((1 << (5 - halvings)) - 1)) == 0 and held < count:
             warp_sums[warp * count + held] = partials[0]
     else:
