@@ -54,7 +54,18 @@ from tileproof.reference.engram import (
 )
 
 from .device import SHARED_MEMORY_BYTES
-from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 from .warp import halving_butterfly, halving_steps
 
 __all__ = ["engram_hash", "fused_weight", "engram_gate_fwd", "engram_gate_bwd", "grad_w_reduce"]
@@ -288,9 +299,8 @@ def fused_weight_kernel(vector: int, threads: int = WEIGHT_THREADS):
     return kernel
 
 
-def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
-    """``w = wh ⊙ we`` in fp32; same contract as ``tileproof.reference.engram.fused_weight``, bit
-    for bit (the product of two bf16 values is exact). The gains need unit stride along D."""
+def _fused_weight_plan(wh: torch.Tensor, we: torch.Tensor):
+    """Check a ``fused_weight`` of these signatures and decide its launch; the plan: ``run(wh, we) -> w``."""
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     check_tensor("we", we, dtypes=(torch.bfloat16,), ndim=2)
     check_shape("we", we, tuple(wh.shape))
@@ -298,23 +308,33 @@ def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
     check_unit_last_stride("we", we)
     require_cuda("wh", wh)
     streams, hidden = wh.shape
-    w = new_output(torch.empty((streams, hidden), dtype=torch.float32, device=wh.device))
-    if w.numel() == 0:
-        return w
+    device = wh.device
+
+    def allocate():
+        return new_output(torch.empty((streams, hidden), dtype=torch.float32, device=device))
+
+    if streams * hidden == 0:
+        return lambda wh, we: allocate()
     vector = _vector_width(hidden, 8, (wh, we))
-    kernel = fused_weight_kernel(vector)
-    if compiling_only():
+    kernel = launched(fused_weight_kernel(vector))
+    scalars = (streams, hidden // vector, *_strides_in_vectors(wh, vector), *_strides_in_vectors(we, vector))
+
+    def run(wh, we):
+        w = allocate()
+        if kernel is not None:
+            kernel(flat_view(wh), flat_view(we), w.view(-1), *scalars)
         return w
-    kernel(
-        flat_view(wh),
-        flat_view(we),
-        w.reshape(-1),
-        streams,
-        hidden // vector,
-        *_strides_in_vectors(wh, vector),
-        *_strides_in_vectors(we, vector),
-    )
-    return w
+
+    return run
+
+
+_FUSED_WEIGHT_PLANS = LaunchPlans()
+
+
+def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
+    """``w = wh ⊙ we`` in fp32; same contract as ``tileproof.reference.engram.fused_weight``, bit
+    for bit (the product of two bf16 values is exact). The gains need unit stride along D."""
+    return _FUSED_WEIGHT_PLANS.plan(call_signature(wh, we), _fused_weight_plan, wh, we)(wh, we)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,6 +538,56 @@ def gate_fwd_kernel(streams: int, vector: int, threads: int, columns_per_thread:
     return kernel
 
 
+def _gate_fwd_plan(x, k, v, w, eps, clamp_value, save_for_backward):
+    """Check an ``engram_gate_fwd`` of these signatures and decide its launch; the plan:
+    ``run(x, k, v, w) -> (out, dot, gate, rstd_x, rstd_k)`` (the statistics None unless saved)."""
+    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
+    eps = check_nonnegative_float("eps", eps, allow_zero=True)
+    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
+    if not isinstance(save_for_backward, bool):
+        raise TypeError(f"save_for_backward must be a bool, got {type(save_for_backward).__name__}")
+    require_cuda("x", x)
+    device = x.device
+    # Statistics not saved: the kernel's flag is off and it writes none of them (one empty constant).
+    absent_stats = None if save_for_backward else device_constant(torch.float32, device, numel=0)
+
+    def allocate():
+        out = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+        if not save_for_backward:
+            return out, None, None, None, None
+        return out, *(new_output(torch.empty((tokens, streams), dtype=torch.float32, device=device)) for _ in range(4))
+
+    if tokens * streams * hidden == 0:
+        return lambda x, k, v, w: allocate()
+    vector = _vector_width(hidden, 8, (x, k, v, w))
+    kernel = launched(gate_fwd_kernel(streams, vector, *gate_schedule(hidden, vector)))
+    scalars = (
+        tokens,
+        hidden // vector,
+        *_strides_in_vectors(x, vector),
+        *_strides_in_vectors(k, vector),
+        _strides_in_vectors(v, vector)[0],
+        _strides_in_vectors(w, vector)[0],
+        float(hidden),
+        hidden**-0.5,
+        eps,
+        clamp_value,
+        int(save_for_backward),
+    )
+
+    def run(x, k, v, w):
+        results = allocate()
+        if kernel is not None:
+            stats = (stat.view(-1) for stat in results[1:]) if save_for_backward else (absent_stats,) * 4
+            kernel(flat_view(x), flat_view(k), flat_view(v), flat_view(w), results[0].view(-1), *stats, *scalars)
+        return results
+
+    return run
+
+
+_GATE_FWD_PLANS = LaunchPlans()
+
+
 def engram_gate_fwd(
     x: torch.Tensor,
     k: torch.Tensor,
@@ -530,45 +600,8 @@ def engram_gate_fwd(
     """Gate the shared value into every stream; same contract as
     ``tileproof.reference.engram.engram_gate_fwd`` (k and v may be strided views, e.g. of one fused
     projection output), within the oracle's bounds: the sums over D run in another order."""
-    tokens, streams, hidden = check_gate_inputs(x, k, v, w)
-    eps = check_nonnegative_float("eps", eps, allow_zero=True)
-    clamp_value = check_nonnegative_float("clamp_value", clamp_value, allow_zero=False)
-    if not isinstance(save_for_backward, bool):
-        raise TypeError(f"save_for_backward must be a bool, got {type(save_for_backward).__name__}")
-    require_cuda("x", x)
-
-    device = x.device
-    out = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
-    stats_shape = (tokens, streams) if save_for_backward else (0,)
-    stats = [new_output(torch.empty(stats_shape, dtype=torch.float32, device=device)) for _ in range(4)]
-    results = (out, *stats) if save_for_backward else (out, None, None, None, None)
-    if out.numel() == 0:
-        return results
-    vector = _vector_width(hidden, 8, (x, k, v, w))
-    kernel = gate_fwd_kernel(streams, vector, *gate_schedule(hidden, vector))
-    if compiling_only():
-        return results
-    x_strides, k_strides = _strides_in_vectors(x, vector), _strides_in_vectors(k, vector)
-    kernel(
-        flat_view(x),
-        flat_view(k),
-        flat_view(v),
-        flat_view(w),
-        out.reshape(-1),
-        *(stat.reshape(-1) for stat in stats),
-        tokens,
-        hidden // vector,
-        *x_strides,
-        *k_strides,
-        _strides_in_vectors(v, vector)[0],
-        _strides_in_vectors(w, vector)[0],
-        float(hidden),
-        hidden**-0.5,
-        eps,
-        clamp_value,
-        int(save_for_backward),
-    )
-    return results
+    arguments = (x, k, v, w, eps, clamp_value, save_for_backward)
+    return _GATE_FWD_PLANS.plan(call_signature(*arguments), _gate_fwd_plan, *arguments)(x, k, v, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -900,6 +933,109 @@ def gate_bwd_kernel(
     return kernel
 
 
+def _gate_bwd_plan(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials, grad_kv):
+    """Check an ``engram_gate_bwd`` of these signatures and decide its launch; the plan:
+    ``run(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, grad_kv) -> (dx, dk, dv, dw_partial)``."""
+    clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
+    tokens, streams, hidden = x.shape
+    if streams > 32:
+        raise ValueError(f"x must have at most 32 streams (dimension 1) for the optimized backward, got {streams}")
+    require_cuda("x", x)
+    if grad_kv is not None:
+        check_grad_kv(grad_kv, tokens, streams, hidden)
+        require_cuda("grad_kv", grad_kv)
+    device = x.device
+
+    def allocate(grad_kv):
+        dx = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+        if grad_kv is None:
+            dk = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
+            dv = new_output(torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
+        else:
+            dk, dv = _kv_gradients(grad_kv, streams, hidden)
+        dw_partial = new_output(torch.empty((num_partials, streams, hidden), dtype=torch.float32, device=device))
+        return dx, dk, dv, dw_partial
+
+    if num_partials * streams * hidden == 0:
+        return lambda *tensors: allocate(tensors[-1])
+    # With no token every block is empty: the kernel still runs, to write the zeros. dk and dv
+    # inside grad_kv have the strides and alignment its signature fixes.
+    if grad_kv is None:
+        dk, dv = _meta_gradients(tokens, streams, hidden)
+    else:
+        dk, dv = _kv_gradients(grad_kv, streams, hidden)
+    vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
+    threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
+    shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
+    weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
+    # With w in shared memory the next token's rows are better loaded in turn than prefetched (387.3
+    # against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
+    kernel = gate_bwd_kernel(
+        streams,
+        vector,
+        threads,
+        columns_per_thread,
+        prefetch=not weights_in_shared,
+        weights_in_shared=weights_in_shared,
+        packed_outputs=grad_kv is None,
+    )
+    kernel = launched(kernel)
+    scalars = (
+        tokens,
+        num_partials,
+        ceil_div(tokens, num_partials),
+        hidden // vector,
+        *_strides_in_vectors(grad_out, vector),
+        *_strides_in_vectors(x, vector),
+        *_strides_in_vectors(k, vector),
+        _strides_in_vectors(v, vector)[0],
+        _strides_in_vectors(w, vector)[0],
+        _strides_in_vectors(dk, vector)[0],
+        _strides_in_vectors(dv, vector)[0],
+        float(hidden),
+        hidden**-0.5,
+        clamp_value,
+    )
+
+    def run(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, grad_kv):
+        dx, dk, dv, dw_partial = allocate(grad_kv)
+        if kernel is not None:
+            kernel(
+                flat_view(grad_out),
+                flat_view(x),
+                flat_view(k),
+                flat_view(v),
+                flat_view(w),
+                dot.contiguous().view(-1),
+                gate.contiguous().view(-1),
+                rstd_x.contiguous().view(-1),
+                rstd_k.contiguous().view(-1),
+                dx.view(-1),
+                flat_view(dk),
+                flat_view(dv),
+                dw_partial.view(-1),
+                *scalars,
+            )
+        return dx, dk, dv, dw_partial
+
+    return run
+
+
+def _kv_gradients(grad_kv: torch.Tensor, streams: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk ``[T, n, D]`` and dv ``[T, D]``: the views of the fused projection's gradient."""
+    return grad_kv[:, : streams * hidden].unflatten(1, (streams, hidden)), grad_kv[:, streams * hidden :]
+
+
+def _meta_gradients(tokens: int, streams: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dk and dv as the backward allocates them without ``grad_kv`` (contiguous; their vector
+    width depends on strides only: fresh allocations are 16-byte aligned), on the meta device."""
+    dk = torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device="meta")
+    return dk, torch.empty((tokens, hidden), dtype=torch.bfloat16, device="meta")
+
+
+_GATE_BWD_PLANS = LaunchPlans()
+
+
 def engram_gate_bwd(
     grad_out: torch.Tensor,
     x: torch.Tensor,
@@ -924,73 +1060,9 @@ def engram_gate_bwd(
     tensor's gradient without autograd's zero fill and slice copies.
 
     At most 32 streams (n ≤ 32; ``ValueError`` otherwise): one lane per stream finishes its sums."""
-    clamp_value = check_gate_bwd_inputs(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials)
-    tokens, streams, hidden = x.shape
-    if streams > 32:
-        raise ValueError(f"x must have at most 32 streams (dimension 1) for the optimized backward, got {streams}")
-    require_cuda("x", x)
-
-    device = x.device
-    dx = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
-    if grad_kv is None:
-        dk = new_output(torch.empty((tokens, streams, hidden), dtype=torch.bfloat16, device=device))
-        dv = new_output(torch.empty((tokens, hidden), dtype=torch.bfloat16, device=device))
-    else:
-        check_grad_kv(grad_kv, tokens, streams, hidden)
-        require_cuda("grad_kv", grad_kv)
-        dk = grad_kv[:, : streams * hidden].unflatten(1, (streams, hidden))
-        dv = grad_kv[:, streams * hidden :]
-    dw_partial = new_output(torch.empty((num_partials, streams, hidden), dtype=torch.float32, device=device))
-    if dw_partial.numel() == 0:
-        return dx, dk, dv, dw_partial
-    # With no token every block is empty: the kernel still runs, to write the zeros.
-    vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
-    threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
-    shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
-    weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
-    # With w in shared memory the next token's rows are better loaded in turn than prefetched (387.3
-    # against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
-    kernel = gate_bwd_kernel(
-        streams,
-        vector,
-        threads,
-        columns_per_thread,
-        prefetch=not weights_in_shared,
-        weights_in_shared=weights_in_shared,
-        packed_outputs=grad_kv is None,
-    )
-    if compiling_only():
-        return dx, dk, dv, dw_partial
-    kernel(
-        flat_view(grad_out),
-        flat_view(x),
-        flat_view(k),
-        flat_view(v),
-        flat_view(w),
-        dot.contiguous().reshape(-1),
-        gate.contiguous().reshape(-1),
-        rstd_x.contiguous().reshape(-1),
-        rstd_k.contiguous().reshape(-1),
-        dx.reshape(-1),
-        flat_view(dk),
-        flat_view(dv),
-        dw_partial.reshape(-1),
-        tokens,
-        num_partials,
-        ceil_div(tokens, num_partials),
-        hidden // vector,
-        *_strides_in_vectors(grad_out, vector),
-        *_strides_in_vectors(x, vector),
-        *_strides_in_vectors(k, vector),
-        _strides_in_vectors(v, vector)[0],
-        _strides_in_vectors(w, vector)[0],
-        _strides_in_vectors(dk, vector)[0],
-        _strides_in_vectors(dv, vector)[0],
-        float(hidden),
-        hidden**-0.5,
-        clamp_value,
-    )
-    return dx, dk, dv, dw_partial
+    arguments = (grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials, grad_kv)
+    plan = _GATE_BWD_PLANS.plan(call_signature(*arguments), _gate_bwd_plan, *arguments)
+    return plan(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, grad_kv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1087,16 +1159,9 @@ def grad_w_reduce_kernel(vector: int, warps: int = REDUCE_WARPS, unroll: int = R
     return kernel
 
 
-def grad_w_reduce(
-    dw_partial: torch.Tensor,
-    wh: torch.Tensor,
-    we: torch.Tensor,
-    grad_wh: torch.Tensor,
-    grad_we: torch.Tensor,
-) -> None:
-    """``G = Σ_p dw_partial[p]``, then ``grad_wh += G ⊙ we`` and ``grad_we += G ⊙ wh`` in place;
-    same contract as ``tileproof.reference.engram.grad_w_reduce`` (any P, P = 0 included), within
-    the oracle's bound. Every tensor needs unit stride along D."""
+def _grad_w_reduce_plan(dw_partial, wh, we, grad_wh, grad_we):
+    """Check a ``grad_w_reduce`` of these signatures and decide its launch; the plan:
+    ``run(dw_partial, wh, we, grad_wh, grad_we)`` (in place, returns None)."""
     check_tensor("dw_partial", dw_partial, dtypes=(torch.float32,), ndim=3)
     check_tensor("wh", wh, dtypes=(torch.bfloat16,), ndim=2)
     streams, hidden = wh.shape
@@ -1112,25 +1177,19 @@ def grad_w_reduce(
 
     num_partials = dw_partial.shape[0]
     if num_partials == 0 or grad_wh.numel() == 0:
-        return  # G = 0: nothing is added
+        return lambda *tensors: None  # G = 0: nothing is added
     tensors = (dw_partial, wh, we, grad_wh, grad_we)
     if all(streams == 1 or t.stride(-2) == hidden for t in tensors):
         # Rows back to back: the op is elementwise over [n, D], so one row of n·D elements (n = 4
-        # makes it a multiple of 4: 16-byte vectors at any D).
+        # makes it a multiple of 4: 16-byte vectors at any D). Each tensor spans the same elements
+        # either way, so the launch passes the given tensors flat.
         dw_partial, wh, we, grad_wh, grad_we = (
             t.as_strided((*t.shape[:-2], 1, streams * hidden), (*t.stride()[:-2], streams * hidden, 1)) for t in tensors
         )
         streams, hidden = 1, streams * hidden
     vector = _vector_width(hidden, 4, (dw_partial, wh, we, grad_wh, grad_we))
-    kernel = grad_w_reduce_kernel(vector)
-    if compiling_only():
-        return
-    kernel(
-        flat_view(dw_partial),
-        flat_view(wh),
-        flat_view(we),
-        flat_view(grad_wh),
-        flat_view(grad_we),
+    kernel = launched(grad_w_reduce_kernel(vector))
+    scalars = (
         num_partials,
         streams,
         hidden // vector,
@@ -1140,3 +1199,28 @@ def grad_w_reduce(
         *_strides_in_vectors(grad_wh, vector),
         *_strides_in_vectors(grad_we, vector),
     )
+
+    def run(dw_partial, wh, we, grad_wh, grad_we):
+        if kernel is not None:
+            kernel(
+                flat_view(dw_partial), flat_view(wh), flat_view(we), flat_view(grad_wh), flat_view(grad_we), *scalars
+            )
+
+    return run
+
+
+_REDUCE_PLANS = LaunchPlans()
+
+
+def grad_w_reduce(
+    dw_partial: torch.Tensor,
+    wh: torch.Tensor,
+    we: torch.Tensor,
+    grad_wh: torch.Tensor,
+    grad_we: torch.Tensor,
+) -> None:
+    """``G = Σ_p dw_partial[p]``, then ``grad_wh += G ⊙ we`` and ``grad_we += G ⊙ wh`` in place;
+    same contract as ``tileproof.reference.engram.grad_w_reduce`` (any P, P = 0 included), within
+    the oracle's bound. Every tensor needs unit stride along D."""
+    arguments = (dw_partial, wh, we, grad_wh, grad_we)
+    _REDUCE_PLANS.plan(call_signature(*arguments), _grad_w_reduce_plan, *arguments)(*arguments)

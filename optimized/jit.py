@@ -352,6 +352,76 @@ def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided((span,), (1,))
 
 
+# ---------------------------------------------------------------------------------------------
+# Launch plans: what a launcher decides once per call signature
+# ---------------------------------------------------------------------------------------------
+
+# Plans kept per launcher before its cache starts over (a caller whose shapes never repeat, e.g. a
+# token count that grows by one per decode step, must not grow memory without bound).
+PLANS_PER_LAUNCHER = 256
+
+
+def tensor_signature(tensor: torch.Tensor) -> tuple:
+    """What a launcher's decisions may read off a tensor: shape, strides, dtype, device and the
+    address modulo 16 bytes (the widest vector a kernel loads)."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, address(tensor) % 16)
+
+
+def call_signature(*arguments) -> tuple:
+    """A launch-plan key: each tensor argument by ``tensor_signature``, every other argument by its
+    type and value (1, 1.0 and True are equal in Python, but the argument checks tell them apart).
+    Tensors inside containers are not allowed (a key would hold them alive): launchers take those
+    apart first."""
+    return tuple([tensor_signature(a) if isinstance(a, torch.Tensor) else (a.__class__, a) for a in arguments])
+
+
+class LaunchPlans:
+    """The launch plans of one launcher, by call signature.
+
+    Most of a warm launch's host time is Python that depends only on the call's signature: the
+    contract's argument checks, the kernel configuration, vector widths, grid and scalar arguments.
+    A launcher splits into a *plan function*, which makes those checks and decisions for the
+    arguments it is given and returns the plan (a function of the call's tensors that allocates the
+    outputs, launches and returns the results), and a thin entry point that looks the plan up by
+    ``call_signature`` of every argument the plan function reads. A new signature runs every check,
+    so a plan is only ever reused by calls that would pass the same checks and make the same
+    decisions. While compiling only (stand-in kernels, fake tensors) plans are made afresh and never
+    kept; an unhashable argument (a list where a tuple is expected) is planned afresh too, so that
+    its check reports it."""
+
+    __slots__ = ("_plans",)
+
+    def __init__(self):
+        self._plans: dict[tuple, Callable] = {}
+
+    def plan(self, key: tuple, make: Callable[..., Callable], *arguments) -> Callable:
+        """The plan kept for ``key``, or ``make(*arguments)`` (kept unless compiling only)."""
+        if compiling_only():
+            return make(*arguments)
+        try:
+            plan = self._plans.get(key)
+        except TypeError:
+            return make(*arguments)
+        if plan is None:
+            plan = make(*arguments)
+            if len(self._plans) >= PLANS_PER_LAUNCHER:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+
+def launched(kernel):
+    """A plan's kernel: the kernel, or None while compiling only (the plan then allocates its
+    outputs and returns them unwritten)."""
+    return None if compiling_only() else kernel
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -52,7 +52,18 @@ from tileproof.reference.mhc import (
     check_square,
 )
 
-from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from .jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 from .warp import halved_index, halving_butterfly, halving_steps
 
 # The norm-fn kernels and the fused / multilayer paths live in their own modules, which import the
@@ -388,53 +399,68 @@ def _matrix_vector(*tensors) -> int:
     return _vector_width([(t, t.shape[-1]) for t in tensors], 4)
 
 
-def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
-    """Project the comb logits onto (approximately) doubly stochastic matrices (see the reference)."""
+def _sinkhorn_plan(comb_res_mix: torch.Tensor, repeat, eps, backward: bool, grad_output=None):
+    """Check a Sinkhorn forward or (``backward``) backward of these signatures and decide
+    its launch. The plan, ``run(comb_res_mix, grad_output=None) -> out``, allocates fp32
+    ``[T, n, n]`` and launches."""
     n = check_square("comb_res_mix", comb_res_mix)
+    if backward:
+        check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
+        check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
     repeat = check_positive_int("repeat", repeat)
     eps = check_nonnegative_float("eps", eps)
     require_cuda("comb_res_mix", comb_res_mix)
+    if backward:
+        require_cuda("grad_output", grad_output)
     tokens = comb_res_mix.shape[0]
-    out = new_output(torch.empty((tokens, n, n), dtype=F32, device=comb_res_mix.device))
+    device = comb_res_mix.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, n, n), dtype=F32, device=device))
+
     if tokens == 0 or n == 0:
+        return lambda comb_res_mix, grad_output=None: allocate()
+    if not backward:
+        vector = _matrix_vector(comb_res_mix)
+        kernel = launched(sinkhorn_kernel(n, repeat, vector))
+        scalars = (tokens, *_strides_in(comb_res_mix, vector), eps)
+
+        def run(comb_res_mix, grad_output=None):
+            out = allocate()
+            if kernel is not None:
+                kernel(flat_view(comb_res_mix), flat_view(out), *scalars)
+            return out
+
+        return run
+    vector = _matrix_vector(grad_output, comb_res_mix)
+    kernel = launched(sinkhorn_bwd_kernel(n, repeat, vector))
+    scalars = (tokens, *_strides_in(grad_output, vector), *_strides_in(comb_res_mix, vector), eps)
+
+    def run_backward(comb_res_mix, grad_output):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(grad_output), flat_view(comb_res_mix), flat_view(out), *scalars)
         return out
-    vector = _matrix_vector(comb_res_mix)
-    kernel = sinkhorn_kernel(n, repeat, vector)
-    if compiling_only():
-        return out
-    kernel(flat_view(comb_res_mix), flat_view(out), tokens, *_strides_in(comb_res_mix, vector), eps)
-    return out
+
+    return run_backward
+
+
+_SINKHORN_PLANS = LaunchPlans()
+
+
+def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
+    """Project the comb logits onto (approximately) doubly stochastic matrices (see the reference)."""
+    key = call_signature(comb_res_mix, repeat, eps)
+    return _SINKHORN_PLANS.plan(key, _sinkhorn_plan, comb_res_mix, repeat, eps, False)(comb_res_mix)
 
 
 def sinkhorn_normalize_bwd(
     grad_output: torch.Tensor, comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6
 ) -> torch.Tensor:
     """Gradient of ``sinkhorn_normalize`` w.r.t. its logits, recomputing the iterations on chip."""
-    n = check_square("comb_res_mix", comb_res_mix)
-    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=3)
-    check_shape("grad_output", grad_output, (comb_res_mix.shape[0], n, n))
-    repeat = check_positive_int("repeat", repeat)
-    eps = check_nonnegative_float("eps", eps)
-    require_cuda("comb_res_mix", comb_res_mix)
-    require_cuda("grad_output", grad_output)
-    tokens = comb_res_mix.shape[0]
-    out = new_output(torch.empty((tokens, n, n), dtype=F32, device=comb_res_mix.device))
-    if tokens == 0 or n == 0:
-        return out
-    vector = _matrix_vector(grad_output, comb_res_mix)
-    kernel = sinkhorn_bwd_kernel(n, repeat, vector)
-    if compiling_only():
-        return out
-    kernel(
-        flat_view(grad_output),
-        flat_view(comb_res_mix),
-        flat_view(out),
-        tokens,
-        *_strides_in(grad_output, vector),
-        *_strides_in(comb_res_mix, vector),
-        eps,
-    )
-    return out
+    key = call_signature(comb_res_mix, repeat, eps, grad_output)
+    plan = _SINKHORN_PLANS.plan(key, _sinkhorn_plan, comb_res_mix, repeat, eps, True, grad_output)
+    return plan(comb_res_mix, grad_output)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ import torch
 
 from tileproof.reference.transpose import check_transpose_input
 
-from .jit import address, compiling_only, flat_view, jit, new_output, require_cuda
+from .jit import LaunchPlans, address, call_signature, flat_view, jit, launched, new_output, require_cuda
 
 __all__ = ["transpose", "batched_transpose"]
 
@@ -492,33 +492,39 @@ def _alignment(*byte_counts: int) -> int:
     return width
 
 
-def launch(x: torch.Tensor, out: torch.Tensor, plan: dict) -> None:
-    """Compile (or fetch) ``transpose_kernel`` with the static parameters ``plan`` and launch it:
-    ``out [B, N, M]`` (fresh, contiguous) ← ``x [B, M, N]`` transposed. ``batched_transpose`` passes
-    ``schedule(element_bytes)``; a benchmark may pass another schedule."""
-    batches, rows, cols = x.shape
-    if out.numel() == 0:
-        return
+def _transpose_plan(x: torch.Tensor, batched: bool):
+    """Check a transpose of ``x``'s signature (``[B, M, N]`` when ``batched``, else ``[M, N]``)
+    and decide its launch. The plan, ``run(x) -> out``, allocates ``out`` (``[B, N, M]`` or
+    ``[N, M]``, contiguous) and launches ``transpose_kernel`` with ``schedule(element_bytes)``."""
+    check_transpose_input("x", x, 3 if batched else 2)
+    require_cuda("x", x)
+    batches, rows, cols = x.shape if batched else (1, *x.shape)
+    out_shape = (batches, cols, rows) if batched else (cols, rows)
+    dtype, device = x.dtype, x.device
+
+    def allocate():
+        return new_output(torch.empty(out_shape, dtype=dtype, device=device))
+
+    if batches * rows * cols == 0:
+        return lambda x: allocate()
     element_bytes = x.element_size()
     vector = CHUNK_BYTES // element_bytes
-    tiles_m = -(-rows // (plan["tile_m_vectors"] * vector))
-    tiles_n = -(-cols // (plan["tile_n_vectors"] * vector))
+    tiles = schedule(element_bytes)
+    tiles_m = -(-rows // (tiles["tile_m_vectors"] * vector))
+    tiles_n = -(-cols // (tiles["tile_n_vectors"] * vector))
     num_ctas = batches * tiles_m * tiles_n
     if max(rows, cols) > MAX_SIDE:
         raise ValueError(f"x of shape {tuple(x.shape)}: at most {MAX_SIDE} rows and columns (int32 tile indices)")
     if num_ctas > MAX_GRID_X:
         raise ValueError(f"x of shape {tuple(x.shape)} needs {num_ctas} tiles, more than one launch has ({MAX_GRID_X})")
-    kernel = transpose_kernel(element_bytes, **plan)
-    if compiling_only():
-        return
-    # Strides of dimensions of size 1 never address memory: they constrain no alignment.
-    row_stride = x.stride(1) if rows > 1 else 0
-    batch_stride = x.stride(0) if batches > 1 else 0
+    kernel = launched(transpose_kernel(element_bytes, **tiles))
+    # Strides of dimensions of size 1 never address memory: they constrain no alignment. The
+    # matrix of a 2-D x spans the same elements as a batch of one, so it is passed flat as it is.
+    row_stride = x.stride(-2) if rows > 1 else 0
+    batch_stride = x.stride(0) if batched and batches > 1 else 0
     load_bytes = _alignment(address(x), row_stride * element_bytes, batch_stride * element_bytes)
     store_bytes = _alignment(rows * element_bytes)
-    kernel(
-        flat_view(x).view(torch.uint8),
-        out.view(-1).view(torch.uint8),
+    scalars = (
         rows,
         cols,
         tiles_m,
@@ -530,21 +536,26 @@ def launch(x: torch.Tensor, out: torch.Tensor, plan: dict) -> None:
         store_bytes,
     )
 
+    def run(x):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(x).view(torch.uint8), out.view(-1).view(torch.uint8), *scalars)
+        return out
+
+    return run
+
+
+_PLANS = LaunchPlans()
+
 
 def batched_transpose(x: torch.Tensor) -> torch.Tensor:
     """Swap the last two dimensions of a batch of matrices: ``out[b, j, i] = x[b, i, j]``; same
     contract as ``tileproof.reference.transpose.batched_transpose`` (any dtype, 16-byte complex128
     included; tails; row stride > N; free batch stride), bit for bit."""
-    check_transpose_input("x", x, 3)
-    require_cuda("x", x)
-    batches, rows, cols = x.shape
-    out = new_output(torch.empty((batches, cols, rows), dtype=x.dtype, device=x.device))
-    launch(x, out, schedule(x.element_size()))
-    return out
+    return _PLANS.plan(call_signature(x, True), _transpose_plan, x, True)(x)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """Transpose one matrix: ``out[j, i] = x[i, j]``; same contract as
     ``tileproof.reference.transpose.transpose``, bit for bit (one batch of ``batched_transpose``)."""
-    check_transpose_input("x", x, 2)
-    return batched_transpose(x.unsqueeze(0)).squeeze(0)
+    return _PLANS.plan(call_signature(x, False), _transpose_plan, x, False)(x)

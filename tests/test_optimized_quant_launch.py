@@ -2,14 +2,14 @@
 
 Rows sit on grid y, which stops at 65535, so longer inputs are launched in slices of rows, each
 on views that start at the slice's first row. The kernel is replaced by a recorder (nothing runs on
-the CPU); the H200 checks the results of such launches bitwise (``tests/test_gpu_quant.py``).
+the CPU) and the plan is made directly (``_cast_plan``: no plan cache is touched); the H200 checks
+the results of such launches bitwise (``tests/test_gpu_quant.py``).
 """
 
 import pytest
 import torch
 
 from tileproof.optimized.quant import per_token
-from tileproof.reference.contract import E2M1, E4M3
 
 
 def _record_launches(monkeypatch, factory_name):
@@ -19,7 +19,7 @@ def _record_launches(monkeypatch, factory_name):
         return lambda *arguments: launches.append(arguments)
 
     monkeypatch.setattr(per_token, factory_name, factory)
-    monkeypatch.setattr(per_token, "compiling_only", lambda: False)
+    monkeypatch.setattr(per_token, "require_cuda", lambda name, tensor: None)
     return launches
 
 
@@ -29,13 +29,9 @@ def test_rows_beyond_grid_y_go_in_slices_that_cover_each_row_once(monkeypatch, t
     launches = _record_launches(monkeypatch, "per_token_cast_kernel")
     hidden, channels = 256, 128
     x = torch.empty((tokens, hidden + 64), dtype=torch.bfloat16)[:, :hidden]
-    q = torch.empty((tokens, hidden), dtype=torch.float8_e4m3fn)
-    kblocks = hidden // channels
-    if packed:  # int32 words [T, kwords], column-major, rows padded to 4
-        sf = torch.empty((1, (tokens + 3) // 4 * 4), dtype=torch.int32).T[:tokens]
-    else:
-        sf = torch.empty((kblocks, tokens), dtype=torch.float32).T
-    per_token._launch(x, E4M3, channels, sf, q, per_token.MODE_CAST, False, packed)
+    # Column-major scales (rows padded to 4): fp32, or packed int32 words [T, kwords].
+    run = per_token._cast_plan(x, per_token.MODE_CAST, "e4m3", channels, None, True, False, packed)
+    q, sf = run(x)
     slices = [arguments[3] for arguments in launches]
     assert sum(slices) == tokens and all(0 < rows <= 65535 for rows in slices)  # CUDA: grid y <= 65535
     first = 0
@@ -51,8 +47,6 @@ def test_sf_only_slices_the_scales_and_keeps_the_empty_codes(monkeypatch):
     launches = _record_launches(monkeypatch, "per_token_cast_kernel")
     tokens, hidden = 70000, 64
     x = torch.empty((tokens, hidden), dtype=torch.float32)
-    sf = torch.empty((tokens, 2), dtype=torch.float32)
-    placeholder = torch.empty((0,), dtype=torch.uint8)
-    per_token._launch(x, E2M1, 32, sf, placeholder, per_token.MODE_SF_ONLY, False, False)
+    _, sf = per_token._cast_plan(x, per_token.MODE_SF_ONLY, "e2m1", 32, None, False, False, False)(x)
     assert [arguments[3] for arguments in launches] == [65535, tokens - 65535]
     assert launches[1][2].data_ptr() == sf[65535:].data_ptr() and launches[1][1].numel() == 0

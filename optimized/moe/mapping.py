@@ -58,7 +58,18 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from ..jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 
 __all__ = [
     "normalize_weight",
@@ -161,34 +172,32 @@ def normalize_weight_kernel(num_topk: int, threads: int = NORMALIZE_THREADS):
     return kernel
 
 
-def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Divide each token's top-k weights by their sum (``tileproof.reference.moe.normalize_weight``,
-    bit for bit): ``den`` fp32 ``[T]`` and the normalized weights fp32 ``[T, k]`` in the layout of
-    an elementwise result (``torch.empty_like``: a dense input's strides, else contiguous)."""
+def _normalize_weight_plan(topk_weights: torch.Tensor):
+    """Check a ``normalize_weight`` of this signature and decide its launch; the plan:
+    ``run(topk_weights) -> (den, normalized)``."""
     check_scores("topk_weights", topk_weights, ndim=2)
     require_cuda("topk_weights", topk_weights)
     num_tokens, num_topk = topk_weights.shape
     device = topk_weights.device
-    den = new_output(torch.empty(num_tokens, dtype=torch.float32, device=device))
-    normalized = new_output(torch.empty_like(topk_weights))
+
+    def allocate(topk_weights):
+        den = new_output(torch.empty(num_tokens, dtype=torch.float32, device=device))
+        return den, new_output(torch.empty_like(topk_weights))
+
     if num_tokens == 0:
-        return den, normalized
-    kernel = normalize_weight_kernel(num_topk)
-    if compiling_only():
-        return den, normalized
+        return allocate
+    kernel = launched(normalize_weight_kernel(num_topk))
     vector = row_vector(num_topk)
     row_stride, column_stride = _strides(topk_weights)
-    out_row_stride, out_column_stride = _strides(normalized)
+    normalized_like = torch.empty_like(topk_weights, device="meta")  # the output's strides
+    out_row_stride, out_column_stride = _strides(normalized_like)
     vectorized = (
         column_stride == 1
         and row_stride % vector == 0
         and address(topk_weights) % (4 * vector) == 0
-        and normalized.is_contiguous()
+        and normalized_like.is_contiguous()
     )
-    kernel(
-        flat_view(topk_weights),
-        den,
-        flat_view(normalized),
+    scalars = (
         num_tokens,
         int(vectorized),
         row_stride // vector,
@@ -197,7 +206,25 @@ def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Te
         out_row_stride,
         out_column_stride,
     )
-    return den, normalized
+
+    def run(topk_weights):
+        den, normalized = allocate(topk_weights)
+        if kernel is not None:
+            kernel(flat_view(topk_weights), den, flat_view(normalized), *scalars)
+        return den, normalized
+
+    return run
+
+
+_NORMALIZE_PLANS = LaunchPlans()
+
+
+def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Divide each token's top-k weights by their sum (``tileproof.reference.moe.normalize_weight``,
+    bit for bit): ``den`` fp32 ``[T]`` and the normalized weights fp32 ``[T, k]`` in the layout of
+    an elementwise result (``torch.empty_like``: a dense input's strides, else contiguous)."""
+    plan = _NORMALIZE_PLANS.plan(call_signature(topk_weights), _normalize_weight_plan, topk_weights)
+    return plan(topk_weights)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,18 @@ from tileproof.reference.moe import (
     check_scores,
 )
 
-from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from ..jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 
 __all__ = ["topk_gate", "topk_sum_and_topk_group_idx", "top2_sum_gate"]
 
@@ -840,17 +851,19 @@ def _vector_width(tensors: list[torch.Tensor], per_lane: int, entries: int) -> i
     return vector
 
 
-def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
-    """Indices of each token's ``num_topk`` highest scores, best first: int64 ``[T, num_topk]``,
-    bit for bit ``tileproof.reference.moe.topk_gate`` (stable descending order; ties → smaller
-    index; ``-0 == +0``; NaN first)."""
+def _topk_gate_plan(scores: torch.Tensor, num_topk: int):
+    """Check a ``topk_gate`` of this signature and decide its launch; the plan: ``run(scores) -> out``."""
     check_scores("scores", scores, ndim=2)
     check_int("num_topk", num_topk, low=1, high=scores.shape[1])
     require_cuda("scores", scores)
     num_tokens, num_experts = scores.shape
-    out = new_output(torch.empty((num_tokens, num_topk), dtype=torch.int64, device=scores.device))
+    device = scores.device
+
+    def allocate():
+        return new_output(torch.empty((num_tokens, num_topk), dtype=torch.int64, device=device))
+
     if num_tokens == 0:
-        return out
+        return lambda scores: allocate()
     results_per_lane = ceil_div(num_topk, 32)
     row_stride, expert_stride = _row_strides(scores)
     per_lane = entries_per_lane(num_experts)
@@ -860,10 +873,26 @@ def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
         row_stride //= vector
     else:
         kernel = topk_gate_streaming_kernel(results_per_lane, warps=WARPS)
-    if compiling_only():
+    kernel = launched(kernel)
+    scalars = (num_tokens, num_experts, row_stride, expert_stride, num_topk)
+
+    def run(scores):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(scores), flat_view(out), *scalars)
         return out
-    kernel(flat_view(scores), flat_view(out), num_tokens, num_experts, row_stride, expert_stride, num_topk)
-    return out
+
+    return run
+
+
+_TOPK_PLANS = LaunchPlans()
+
+
+def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
+    """Indices of each token's ``num_topk`` highest scores, best first: int64 ``[T, num_topk]``,
+    bit for bit ``tileproof.reference.moe.topk_gate`` (stable descending order; ties → smaller
+    index; ``-0 == +0``; NaN first)."""
+    return _TOPK_PLANS.plan(call_signature(scores, num_topk), _topk_gate_plan, scores, num_topk)(scores)
 
 
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
@@ -910,7 +939,7 @@ def router_per_lane(num_experts: int, group_size: int) -> int:
     return width if width <= MAX_PER_LANE else 0
 
 
-def top2_sum_gate(
+def _top2_sum_gate_plan(
     logits: torch.Tensor,
     bias: torch.Tensor,
     num_topk: int,
@@ -929,10 +958,10 @@ def top2_sum_gate(
     to_physical_map: torch.Tensor | None = None,
     logical_count: torch.Tensor | None = None,
     unmapped_topk_idx: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DeepSeek-V3-style router in one kernel: same arguments, steps and results as
-    ``tileproof.reference.moe.top2_sum_gate`` (``unmapped_topk_idx`` written in place); up to
-    ``32·32`` routed experts. Returns ``(topk_idx int64 [T, k + S], topk_weights fp32 [T, k + S])``."""
+):
+    """Check a ``top2_sum_gate`` of these signatures and decide its launch; the plan:
+    ``run(logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)``
+    returns ``(topk_idx, topk_weights)``."""
     num_shared, num_extra = check_router_arguments(
         logits,
         bias,
@@ -963,10 +992,13 @@ def top2_sum_gate(
     num_tokens, num_routed = logits.shape
     slots = num_topk + num_shared
     device = logits.device
-    topk_idx = new_output(torch.empty((num_tokens, slots), dtype=torch.int64, device=device))
-    topk_weights = new_output(torch.empty((num_tokens, slots), dtype=torch.float32, device=device))
+
+    def allocate():
+        topk_idx = new_output(torch.empty((num_tokens, slots), dtype=torch.int64, device=device))
+        return topk_idx, new_output(torch.empty((num_tokens, slots), dtype=torch.float32, device=device))
+
     if num_tokens == 0:
-        return topk_idx, topk_weights
+        return lambda *tensors: allocate()
     group_size = num_routed // num_groups if num_groups != num_topk_groups else 0
     per_lane = router_per_lane(num_routed, group_size)
     if not per_lane:
@@ -984,38 +1016,22 @@ def top2_sum_gate(
         warps=WARPS,
         full_rows=num_routed == 32 * per_lane,
     )
-    if compiling_only():
-        return topk_idx, topk_weights
-
-    def flags_argument(flags):
-        if flags is None:
-            return device_constant(torch.uint8, device, numel=0), 0, 0
-        return flat_view(flags).view(torch.uint8), 1, flags.stride(0)
-
-    mask_argument, has_mask, mask_stride = flags_argument(mask)
-    fixed_argument, has_fixed, fixed_stride = flags_argument(fix_routing_mask)
-    if unmapped_topk_idx is None:
-        unmapped_argument, has_unmapped, unmapped_stride = device_constant(torch.int64, device, numel=0), 0, 0
-    else:
-        unmapped_argument, has_unmapped, unmapped_stride = flat_view(unmapped_topk_idx), 1, unmapped_topk_idx.stride(0)
+    kernel = launched(kernel)
+    # An absent optional tensor is a zero-size constant and its flag 0; a present one is passed
+    # flat (flags as bytes) with its row stride.
+    absent_flags = device_constant(torch.uint8, device, numel=0)
+    absent_indices = device_constant(torch.int64, device, numel=0)
+    absent_map = device_constant(torch.int32, device, numel=0)
+    has_mask, mask_stride = (0, 0) if mask is None else (1, mask.stride(0))
+    has_fixed, fixed_stride = (0, 0) if fix_routing_mask is None else (1, fix_routing_mask.stride(0))
+    has_unmapped, unmapped_stride = (0, 0) if unmapped_topk_idx is None else (1, unmapped_topk_idx.stride(0))
     if to_physical_map is None:
-        placeholder = device_constant(torch.int32, device, numel=0)
-        map_argument, count_argument, has_map, map_strides, count_stride = placeholder, placeholder, 0, (0, 0), 0
+        has_map, map_strides, count_stride = 0, (0, 0), 0
     else:
-        map_argument, count_argument, has_map = flat_view(to_physical_map), flat_view(logical_count), 1
-        map_strides, count_stride = to_physical_map.stride(), logical_count.stride(0)
+        has_map, map_strides, count_stride = 1, to_physical_map.stride(), logical_count.stride(0)
     row_stride, expert_stride = _row_strides(logits)
     num_physical = num_routed + num_extra
-    kernel(
-        flat_view(logits),
-        flat_view(bias),
-        mask_argument,
-        fixed_argument,
-        unmapped_argument,
-        map_argument,
-        count_argument,
-        flat_view(topk_idx),
-        flat_view(topk_weights),
+    scalars = (
         num_tokens,
         num_routed,
         row_stride // vector,
@@ -1042,4 +1058,73 @@ def top2_sum_gate(
         num_tp_ranks,
         num_physical,
     )
-    return topk_idx, topk_weights
+
+    def run(logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx):
+        topk_idx, topk_weights = allocate()
+        if kernel is None:
+            return topk_idx, topk_weights
+        kernel(
+            flat_view(logits),
+            flat_view(bias),
+            absent_flags if mask is None else flat_view(mask).view(torch.uint8),
+            absent_flags if fix_routing_mask is None else flat_view(fix_routing_mask).view(torch.uint8),
+            absent_indices if unmapped_topk_idx is None else flat_view(unmapped_topk_idx),
+            absent_map if to_physical_map is None else flat_view(to_physical_map),
+            absent_map if to_physical_map is None else flat_view(logical_count),
+            flat_view(topk_idx),
+            flat_view(topk_weights),
+            *scalars,
+        )
+        return topk_idx, topk_weights
+
+    return run
+
+
+_ROUTER_PLANS = LaunchPlans()
+
+
+def top2_sum_gate(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    num_topk: int,
+    num_topk_groups: int,
+    num_groups: int,
+    use_shared_as_routed: bool,
+    num_shared_experts: int,
+    routed_scaling_factor: float,
+    ep_rank: int,
+    num_ep_ranks: int,
+    tp_rank: int,
+    num_tp_ranks: int,
+    scoring_func: str,
+    mask: torch.Tensor | None = None,
+    fix_routing_mask: torch.Tensor | None = None,
+    to_physical_map: torch.Tensor | None = None,
+    logical_count: torch.Tensor | None = None,
+    unmapped_topk_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeepSeek-V3-style router in one kernel: same arguments, steps and results as
+    ``tileproof.reference.moe.top2_sum_gate`` (``unmapped_topk_idx`` written in place); up to
+    ``32·32`` routed experts. Returns ``(topk_idx int64 [T, k + S], topk_weights fp32 [T, k + S])``."""
+    arguments = (
+        logits,
+        bias,
+        num_topk,
+        num_topk_groups,
+        num_groups,
+        use_shared_as_routed,
+        num_shared_experts,
+        routed_scaling_factor,
+        ep_rank,
+        num_ep_ranks,
+        tp_rank,
+        num_tp_ranks,
+        scoring_func,
+        mask,
+        fix_routing_mask,
+        to_physical_map,
+        logical_count,
+        unmapped_topk_idx,
+    )
+    plan = _ROUTER_PLANS.plan(call_signature(*arguments), _top2_sum_gate_plan, *arguments)
+    return plan(logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)

@@ -39,7 +39,17 @@ from tileproof.reference.contract import (
     check_scale_tensor,
 )
 
-from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from ..jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 from .common import (
     cta_amax_bits,
     e2m1_pack_codes,
@@ -525,64 +535,111 @@ def _vector_width(x: torch.Tensor) -> int:
     return vector
 
 
-def _launch(x, spec, num_per_channels, sf, q, mode: int, round_sf: bool, packed: bool):
+def _cast_plan(
+    x: torch.Tensor,
+    mode: int,
+    fmt: str,
+    num_per_channels: int,
+    x_block_size,
+    use_tma_aligned_col_major_sf: bool,
+    round_sf: bool,
+    use_packed_ue8m0: bool,
+    sf: torch.Tensor | None = None,
+):
+    """Check a per-token cast of ``x``'s signature (``mode``: cast, scales only, or cast with the
+    given ``sf``) and decide its launch. The plan, ``run(x, sf=None) -> (q, sf)``, allocates the
+    outputs (the scales unless given; a zero-size placeholder for q when only scales are written)
+    and launches."""
+    spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
+    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
+    require_cuda("x", x)
+    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
     tokens, hidden = x.shape
+    kblocks = ceil_div(hidden, num_per_channels)
+    device = x.device
+    if mode == MODE_PRECOMPUTED_SF:
+        check_scale_tensor("sf", sf, rows=tokens, kblocks=kblocks, layout=layout, device=device)
+        round_sf = False  # the given scales are used as they are
+    placeholder = device_constant(spec.storage_dtype, device, numel=0) if mode == MODE_SF_ONLY else None
+    data_shape = (tokens, hidden // spec.values_per_byte)
+
+    def allocate(sf):
+        if sf is None:
+            sf = new_output(layout.empty(tokens, kblocks, device))
+        q = (
+            placeholder
+            if placeholder is not None
+            else new_output(torch.empty(data_shape, dtype=spec.storage_dtype, device=device))
+        )
+        return q, sf
+
     if tokens == 0:
-        return
+        return lambda x, sf=None: allocate(sf)
     vector = _vector_width(x)
     if spec is E2M1 and vector < 2:
         raise ValueError("e2m1 needs rows that start on 2-element boundaries (even row stride, aligned base)")
     row_wide = num_per_channels not in PER_TOKEN_CHANNEL_BLOCKS
     if row_wide:
-        kernel = per_row_cast_kernel(_TL_DTYPES[x.dtype], spec.name, hidden, vector, packed)
+        kernel = per_row_cast_kernel(_TL_DTYPES[x.dtype], spec.name, hidden, vector, use_packed_ue8m0)
     else:
         kernel = per_token_cast_kernel(
             _TL_DTYPES[x.dtype],
             spec.name,
             num_per_channels,
             vector,
-            packed,
+            use_packed_ue8m0,
             **schedule(spec.name, num_per_channels, vector, tokens),
         )
-    if compiling_only():
-        return
+    kernel = launched(kernel)
     # Packed scales are int32 words [rows, kwords] with strides (1, ld): the kernel gets their
-    # bytes, and ld counts words.
-    row_stride, kblock_stride = (sf.stride(1), 0) if packed else (sf.stride(0), sf.stride(1))
+    # bytes, and ld counts words. A given sf has the strides it was checked for (its signature).
+    if sf is None:
+        sf_strides = layout.empty(tokens, kblocks, "meta").stride()
+    else:
+        sf_strides = sf.stride()
+    row_stride, kblock_stride = (sf_strides[1], 0) if use_packed_ue8m0 else sf_strides
     row_stride_vectors = x.stride(0) // vector if tokens > 1 else hidden // vector
+    words = not row_wide and x.dtype == torch.bfloat16 and vector % 2 == 0
+    bytes_data = spec is E2M1
 
     def flat_arguments(x_rows, q_rows, sf_rows):
         x_argument = flat_view(x_rows)
-        if not row_wide and x.dtype == torch.bfloat16 and vector % 2 == 0:
+        if words:
             x_argument = x_argument.view(torch.int32)  # bf16 rows read as 32-bit words (``bf16_words``)
-        q_argument = flat_view(q_rows).view(torch.uint8) if spec is E2M1 else flat_view(q_rows)
-        return x_argument, q_argument, flat_view(sf_rows).view(torch.uint8) if packed else flat_view(sf_rows)
+        q_argument = flat_view(q_rows).view(torch.uint8) if bytes_data else flat_view(q_rows)
+        return x_argument, q_argument, flat_view(sf_rows).view(torch.uint8) if use_packed_ue8m0 else flat_view(sf_rows)
 
     if row_wide:  # a row per CTA on grid x
-        kernel(*flat_arguments(x, q, sf), tokens, row_stride_vectors, row_stride, mode, int(round_sf))
-        return
-    kblocks = ceil_div(hidden, num_per_channels)
+        scalars = (tokens, row_stride_vectors, row_stride, mode, int(round_sf))
+
+        def run(x, sf=None):
+            q, sf = allocate(sf)
+            if kernel is not None:
+                kernel(*flat_arguments(x, q, sf), *scalars)
+            return q, sf
+
+        return run
+    scalars = (hidden // vector, row_stride_vectors, kblocks, row_stride, kblock_stride, mode, int(round_sf))
     # Rows are on grid y, which stops at MAX_GRID_Y: longer inputs go in launches of that many rows,
     # each on views that start at its first row (the scale index is linear in the row, packed too).
-    for first in range(0, tokens, MAX_GRID_Y):
-        rows = slice(first, min(tokens, first + MAX_GRID_Y))
-        views = (x, q, sf) if tokens <= MAX_GRID_Y else (x[rows], q[rows] if q.dim() == 2 else q, sf[rows])
-        kernel(
-            *flat_arguments(*views),
-            views[0].shape[0],
-            hidden // vector,
-            row_stride_vectors,
-            kblocks,
-            row_stride,
-            kblock_stride,
-            mode,
-            int(round_sf),
-        )
+    row_slices = [slice(first, min(tokens, first + MAX_GRID_Y)) for first in range(0, tokens, MAX_GRID_Y)]
+
+    def run(x, sf=None):
+        q, sf = allocate(sf)
+        if kernel is None:
+            return q, sf
+        if len(row_slices) == 1:
+            kernel(*flat_arguments(x, q, sf), tokens, *scalars)
+            return q, sf
+        for rows in row_slices:
+            q_rows = q[rows] if q.dim() == 2 else q
+            kernel(*flat_arguments(x[rows], q_rows, sf[rows]), rows.stop - rows.start, *scalars)
+        return q, sf
+
+    return run
 
 
-def _allocate_data(x: torch.Tensor, spec) -> torch.Tensor:
-    tokens, hidden = x.shape
-    return new_output(torch.empty((tokens, hidden // spec.values_per_byte), dtype=spec.storage_dtype, device=x.device))
+_PLANS = LaunchPlans()
 
 
 def _dequantized_source(x, fmt: str, x_block_size, formats=CAST_FORMATS) -> torch.Tensor:
@@ -618,15 +675,17 @@ def per_token_cast(
         return per_token_cast_e5m6(
             x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0
         )
-    spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
-    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    require_cuda("x", x)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
-    tokens, hidden = x.shape
-    sf = new_output(layout.empty(tokens, ceil_div(hidden, num_per_channels), x.device))
-    q = _allocate_data(x, spec)
-    _launch(x, spec, num_per_channels, sf, q, MODE_CAST, round_sf, use_packed_ue8m0)
-    return q, sf
+    arguments = (
+        x,
+        MODE_CAST,
+        fmt,
+        num_per_channels,
+        x_block_size,
+        use_tma_aligned_col_major_sf,
+        round_sf,
+        use_packed_ue8m0,
+    )
+    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x)
 
 
 def per_token_cast_with_sf_only(
@@ -641,15 +700,17 @@ def per_token_cast_with_sf_only(
     """The scales of ``per_token_cast`` without writing any data (reads x once, writes sf)."""
     if isinstance(x, tuple):
         x, x_block_size = _dequantized_source(x, fmt, x_block_size), None
-    spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
-    round_sf = check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    require_cuda("x", x)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
-    tokens, hidden = x.shape
-    sf = new_output(layout.empty(tokens, ceil_div(hidden, num_per_channels), x.device))
-    placeholder = device_constant(spec.storage_dtype, x.device, numel=0)
-    _launch(x, spec, num_per_channels, sf, placeholder, MODE_SF_ONLY, round_sf, use_packed_ue8m0)
-    return sf
+    arguments = (
+        x,
+        MODE_SF_ONLY,
+        fmt,
+        num_per_channels,
+        x_block_size,
+        use_tma_aligned_col_major_sf,
+        round_sf,
+        use_packed_ue8m0,
+    )
+    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x)[1]
 
 
 def per_token_cast_with_precomputed_sf(
@@ -665,14 +726,15 @@ def per_token_cast_with_precomputed_sf(
     """Quantize ``x`` with given scales (``q = encode(x · (1/sf))``); returns the data only."""
     if isinstance(x, tuple):
         x, x_block_size = _dequantized_source(x, fmt, x_block_size), None
-    spec = check_per_token_cast_input(x, fmt, num_per_channels, x_block_size)
-    check_scale_flags(spec, round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    require_cuda("x", x)
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
-    tokens, hidden = x.shape
-    check_scale_tensor(
-        "sf", sf, rows=tokens, kblocks=ceil_div(hidden, num_per_channels), layout=layout, device=x.device
+    arguments = (
+        x,
+        MODE_PRECOMPUTED_SF,
+        fmt,
+        num_per_channels,
+        x_block_size,
+        use_tma_aligned_col_major_sf,
+        round_sf,
+        use_packed_ue8m0,
+        sf,
     )
-    q = _allocate_data(x, spec)
-    _launch(x, spec, num_per_channels, sf, q, MODE_PRECOMPUTED_SF, False, use_packed_ue8m0)
-    return q
+    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x, sf)[0]

@@ -71,6 +71,7 @@ row by ``_plan``).
 """
 
 import functools
+import os
 from typing import NamedTuple
 
 import tilelang.language as T
@@ -102,8 +103,18 @@ from tileproof.reference.quant_swiglu import (
     check_topk_weights,
 )
 
-from ..device import SHARED_MEMORY_BYTES, sm_count
-from ..jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from ..device import SHARED_MEMORY_BYTES, SM_LIMIT_ENV, sm_count
+from ..jit import (
+    LaunchPlans,
+    address,
+    call_signature,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    new_output,
+    require_cuda,
+)
 from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
 from .per_token import packed_scale_index, store_encoded_vector
 
@@ -919,16 +930,20 @@ def _fitted_plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int,
     return _Plan(schedule.threads, threads_per_row, units_per_thread, part_shift, stages, staging)
 
 
-def _index_words(index: torch.Tensor | None, word: int) -> tuple[torch.Tensor | None, int, int]:
-    """An int32/int64 index vector as int32 words: (words, stride, offset). ``word`` picks the int64
-    half: 0 the low word (the value of a small index), 1 the high word (the sign)."""
-    if index is None:
-        return None, 0, 0
-    if index.numel() == 0:
-        return None, 0, 0
+def _index_layout(index: torch.Tensor | None, word: int) -> tuple[int, int]:
+    """(stride, offset) in int32 words of an int32/int64 index vector read as words (``_index_words``).
+    ``word`` picks the int64 half: 0 the low word (the value of a small index), 1 the high word (the
+    sign). (0, 0) for an absent or empty vector."""
+    if index is None or index.numel() == 0:
+        return 0, 0
     if index.dtype == torch.int32:
-        return flat_view(index), index.stride(0), 0
-    return flat_view(index).view(torch.int32), 2 * index.stride(0), word
+        return index.stride(0), 0
+    return 2 * index.stride(0), word
+
+
+def _index_words(index: torch.Tensor) -> torch.Tensor:
+    """An int32/int64 index vector as int32 words (flat)."""
+    return flat_view(index) if index.dtype == torch.int32 else flat_view(index).view(torch.int32)
 
 
 def _check_forward_arguments(
@@ -970,13 +985,13 @@ def _check_forward_arguments(
     return spec, hidden, round_sf, clamp_value
 
 
-def _launch(
+def _launch_plan(
     x: torch.Tensor,
     hidden: int,
     fmt_name: str,
     num_per_channels: int,
-    q: torch.Tensor,
-    sf: torch.Tensor | None,
+    q_dtype: torch.dtype,
+    sf_strides: tuple[int, int] | None,
     *,
     packed: bool = False,
     round_sf: bool = False,
@@ -985,11 +1000,14 @@ def _launch(
     topk_weights: torch.Tensor | None = None,
     pos_to_expert: torch.Tensor | None = None,
     clamped_count: torch.Tensor | None = None,
-) -> None:
-    """Compile (or fetch) the kernel for this call and, unless compiling only, launch it."""
+):
+    """Compile (or fetch) the kernel for calls of these signatures (checked by the caller; q of
+    ``q_dtype`` contiguous, sf with ``sf_strides`` or None) and decide the launch:
+    ``launch(x, q, sf, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)`` (a no-op
+    while compiling only or for zero rows)."""
     rows = x.shape[0]
     if rows == 0:
-        return
+        return lambda *tensors: None
     vector = _vector_width(x, hidden)
     store_vector = _store_width(hidden, CHUNK)
     # One scale per row of at most 128 values is the single (partial) 1×128 block of the row.
@@ -1009,31 +1027,35 @@ def _launch(
         plan.threads,
     )
     if compiling_only():
-        return
+        return lambda *tensors: None
 
+    device = x.device
     groups_per_cta = plan.threads // plan.threads_per_row
     tasks = rows << plan.part_shift
-    num_ctas = max(1, min(sm_count(x.device), ceil_div(tasks, groups_per_cta)))
+    num_ctas = max(1, min(sm_count(device), ceil_div(tasks, groups_per_cta)))
     # Absent inputs and outputs (their flags are off): constants made once per device, not a fill
     # kernel per call (each would add ~1.5 µs to the operator's GPU time).
-    placeholder_int = device_constant(torch.int32, x.device)
-    if sf is None:
-        sf_argument, sf_row_stride, sf_kblock_stride = device_constant(torch.float32, x.device), 0, 0
+    placeholder_int = device_constant(torch.int32, device)
+    absent_sf = device_constant(torch.float32, device)
+    if sf_strides is None:
+        sf_row_stride, sf_kblock_stride = 0, 0
     elif packed:
         # int32 words [rows, kwords] with strides (1, ld): pass the bytes; ld counts words.
-        sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf).view(torch.uint8), sf.stride(1), 0
+        sf_row_stride, sf_kblock_stride = sf_strides[1], 0
     else:
-        sf_argument, sf_row_stride, sf_kblock_stride = flat_view(sf), sf.stride(0), sf.stride(1)
+        sf_row_stride, sf_kblock_stride = sf_strides
     # Rows as 32-bit words (bf16 pairs or fp32 values), except single bf16 values.
     as_words = x.dtype == torch.float32 or vector % 2 == 0
-    x_argument = flat_view(x).view(torch.int32) if as_words else flat_view(x)
     row_stride_vectors = x.stride(0) // vector if rows > 1 else 2 * hidden // vector
-    q_argument = flat_view(q).view(torch.uint8) if q.dtype == torch.int8 else flat_view(q)
-    expert_words, expert_stride, expert_offset = _index_words(pos_to_expert, 1)
-    index_words, index_stride, index_offset = _index_words(pos_to_token_topk, 0)
+    q_bytes = q_dtype == torch.int8
+    has_experts = pos_to_expert is not None and pos_to_expert.numel() > 0
+    expert_stride, expert_offset = _index_layout(pos_to_expert, 1)
+    has_indices = pos_to_token_topk is not None and pos_to_token_topk.numel() > 0
+    index_stride, index_offset = _index_layout(pos_to_token_topk, 0)
     has_weights = topk_weights is not None
-    if has_weights and topk_weights.numel():
-        weights_argument = flat_view(topk_weights)
+    weighted = has_weights and topk_weights.numel() > 0
+    absent_weights = device_constant(torch.float32, device)
+    if weighted:
         tokens, topk = topk_weights.shape
         if tokens == 1 or topk_weights.stride(0) == topk * topk_weights.stride(1):
             # The flat index maps linearly: the kernel skips the division by topk.
@@ -1041,22 +1063,12 @@ def _launch(
         else:
             weights_shape = (topk, topk_weights.stride(0), topk_weights.stride(1))
     else:
-        weights_argument = device_constant(torch.float32, x.device)
         weights_shape = (1, 0, 0)
-    if clamped_count is not None:
-        count_argument, count_stride = flat_view(clamped_count), clamped_count.stride(0)
-    else:
-        count_argument, count_stride = device_constant(torch.int64, x.device), 0
+    absent_count = device_constant(torch.int64, device)
+    count_stride = clamped_count.stride(0) if clamped_count is not None else 0
     # The clamp as the kernel sees it: rounded once to fp32 (+Inf, which clamps nothing, without one).
     clamp_fp32 = float("inf") if clamp_value is None else float(torch.tensor(clamp_value, dtype=torch.float32))
-    kernel(
-        x_argument,
-        q_argument,
-        sf_argument,
-        expert_words if expert_words is not None else placeholder_int,
-        index_words if index_words is not None else placeholder_int,
-        weights_argument,
-        count_argument,
+    scalars = (
         num_ctas,
         rows,
         hidden // vector,
@@ -1082,6 +1094,98 @@ def _launch(
         count_stride,
     )
 
+    def launch(x, q, sf, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count):
+        if sf is None:
+            sf_argument = absent_sf
+        else:
+            sf_argument = flat_view(sf).view(torch.uint8) if packed else flat_view(sf)
+        kernel(
+            flat_view(x).view(torch.int32) if as_words else flat_view(x),
+            flat_view(q).view(torch.uint8) if q_bytes else flat_view(q),
+            sf_argument,
+            _index_words(pos_to_expert) if has_experts else placeholder_int,
+            _index_words(pos_to_token_topk) if has_indices else placeholder_int,
+            flat_view(topk_weights) if weighted else absent_weights,
+            flat_view(clamped_count) if clamped_count is not None else absent_count,
+            *scalars,
+        )
+
+    return launch
+
+
+def _launch(x, hidden, fmt_name, num_per_channels, q, sf, **options) -> None:
+    """Plan and launch once (``_launch_plan`` for a call that keeps no plan)."""
+    sf_strides = None if sf is None else sf.stride()
+    tensors = {name: options.get(name) for name in _OPTIONAL_TENSORS}
+    launch = _launch_plan(x, hidden, fmt_name, num_per_channels, q.dtype, sf_strides, **options)
+    launch(x, q, sf, *tensors.values())
+
+
+_OPTIONAL_TENSORS = ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count")
+
+
+def _forward_plan(
+    x,
+    fmt,
+    num_per_channels,
+    pos_to_token_topk,
+    topk_weights,
+    pos_to_expert,
+    use_tma_aligned_col_major_sf,
+    round_sf,
+    use_packed_ue8m0,
+    swiglu_clamp_value,
+    clamped_count,
+    sm_limit_setting,
+):
+    """Check a ``swiglu_forward_and_per_token_cast`` of these signatures and decide its launch
+    (``sm_limit_setting``: the grid depends on the SM count). The plan: ``run(x, pos_to_token_topk,
+    topk_weights, pos_to_expert, clamped_count) -> (q, sf)``."""
+    flags = (round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
+    spec, hidden, round_sf, clamp_value = _check_forward_arguments(
+        x,
+        fmt,
+        num_per_channels,
+        pos_to_token_topk,
+        topk_weights,
+        pos_to_expert,
+        flags,
+        swiglu_clamp_value,
+        clamped_count,
+    )
+    require_cuda("x", x)
+    rows = x.shape[0]
+    device = x.device
+    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
+    kblocks = ceil_div(hidden, num_per_channels)
+    data_shape = (rows, hidden // spec.values_per_byte)
+    launch = _launch_plan(
+        x,
+        hidden,
+        spec.name,
+        num_per_channels,
+        spec.storage_dtype,
+        layout.empty(rows, kblocks, "meta").stride(),
+        packed=use_packed_ue8m0,
+        round_sf=round_sf,
+        clamp_value=clamp_value,
+        pos_to_token_topk=pos_to_token_topk,
+        topk_weights=topk_weights,
+        pos_to_expert=pos_to_expert,
+        clamped_count=clamped_count,
+    )
+
+    def run(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count):
+        sf = new_output(layout.empty(rows, kblocks, device))
+        q = new_output(torch.empty(data_shape, dtype=spec.storage_dtype, device=device))
+        launch(x, q, sf, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)
+        return q, sf
+
+    return run
+
+
+_FORWARD_PLANS = LaunchPlans()
+
 
 def swiglu_forward_and_per_token_cast(
     x: torch.Tensor,
@@ -1101,39 +1205,22 @@ def swiglu_forward_and_per_token_cast(
     that padding rows (``pos_to_expert < 0``) are not written (the contract leaves them unspecified)
     and the entries of ``pos_to_token_topk`` are not range-checked (an entry outside
     ``[0, topk_weights.numel())`` gives weight 0)."""
-    flags = (round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
-    spec, hidden, round_sf, clamp_value = _check_forward_arguments(
+    arguments = (
         x,
         fmt,
         num_per_channels,
         pos_to_token_topk,
         topk_weights,
         pos_to_expert,
-        flags,
+        use_tma_aligned_col_major_sf,
+        round_sf,
+        use_packed_ue8m0,
         swiglu_clamp_value,
         clamped_count,
+        os.environ.get(SM_LIMIT_ENV),
     )
-    require_cuda("x", x)
-    rows = x.shape[0]
-    layout = ScaleLayout.from_flags(use_tma_aligned_col_major_sf, use_packed_ue8m0)
-    sf = new_output(layout.empty(rows, ceil_div(hidden, num_per_channels), x.device))
-    q = new_output(torch.empty((rows, hidden // spec.values_per_byte), dtype=spec.storage_dtype, device=x.device))
-    _launch(
-        x,
-        hidden,
-        spec.name,
-        num_per_channels,
-        q,
-        sf,
-        packed=use_packed_ue8m0,
-        round_sf=round_sf,
-        clamp_value=clamp_value,
-        pos_to_token_topk=pos_to_token_topk,
-        topk_weights=topk_weights,
-        pos_to_expert=pos_to_expert,
-        clamped_count=clamped_count,
-    )
-    return q, sf
+    plan = _FORWARD_PLANS.plan(call_signature(*arguments), _forward_plan, *arguments)
+    return plan(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)
 
 
 def swiglu_forward_and_per_channel_cast_and_transpose(
@@ -1549,7 +1636,9 @@ def swiglu_backward_and_per_token_cast(
     # Tensors without elements are passed as constants made once per device (the kernel touches none of
     # their elements), not as a fill kernel per call.
     placeholder_int = device_constant(torch.int32, device)
-    slot_words, slot_stride, _ = _index_words(pos_to_token_topk, 0)
+    slot_stride, _ = _index_layout(pos_to_token_topk, 0)
+    has_slots = pos_to_token_topk is not None and pos_to_token_topk.numel() > 0
+    slot_words = _index_words(pos_to_token_topk) if has_slots else placeholder_int
     if token_topk_to_pos.numel():
         words = 2 if token_topk_to_pos.dtype == torch.int64 else 1
         row_words = flat_view(token_topk_to_pos).view(torch.int32)
@@ -1566,7 +1655,7 @@ def swiglu_backward_and_per_token_cast(
         flat_or_constant(x_sf),
         go_argument if grad_out.numel() else device_constant(go_argument.dtype, device),
         flat_or_constant(weight),
-        slot_words if slot_words is not None else placeholder_int,
+        slot_words,
         row_words,
         flat_or_constant(out),
         flat_or_constant(dx_q),

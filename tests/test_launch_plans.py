@@ -1,0 +1,156 @@
+"""Launch plans (``tileproof.optimized.jit.LaunchPlans``): what a launcher decides once per call
+signature, on the CPU.
+
+A plan may only be reused by a call that would pass the same argument checks and make the same
+decisions, so the key must tell apart everything the checks and decisions read (including Python
+values that compare equal across types), and a plan must not keep the tensors of the call that made
+it (it would hold them alive, and could launch on them instead of the caller's). The H200 proves
+the plans' results: the oracle compares the first call of each case (a new plan) with the
+reference and the second (the kept plan) with the first, bitwise.
+"""
+
+import pytest
+import torch
+
+from tileproof.optimized import jit
+from tileproof.optimized.jit import LaunchPlans, call_signature, compile_only, outputs_only, tensor_signature
+from tileproof.oracle import registry
+
+
+def test_signature_tells_apart_what_a_launcher_reads():
+    x = torch.zeros(64, 32)
+    assert tensor_signature(x) == tensor_signature(torch.ones(64, 32))  # values are not read
+    assert tensor_signature(x) != tensor_signature(x.T)  # strides
+    assert tensor_signature(x) != tensor_signature(x.double())  # dtype
+    assert tensor_signature(x) != tensor_signature(x[:, 1:])  # shape and the address's alignment
+    assert tensor_signature(x.view(-1)[1:33]) != tensor_signature(x.view(-1)[4:36])  # 4 bytes against 16 off
+    # Equal in Python, told apart by the argument checks: a key holds each value's type.
+    assert len({call_signature(value) for value in (True, 1, 1.0)}) == 3
+    assert call_signature(x, None, "e4m3") == call_signature(torch.empty(64, 32), None, "e4m3")
+
+
+def test_views_one_row_apart_share_a_signature():
+    x = torch.zeros(64, 32)
+    assert tensor_signature(x[1:]) == tensor_signature(x[:-1])  # 128 bytes apart: the same alignment
+
+
+def test_plans_are_kept_per_key_and_only_outside_compile_only():
+    made = []
+
+    def make(value):
+        made.append(value)
+        return lambda: value
+
+    plans = LaunchPlans()
+    assert plans.plan(("a",), make, 1)() == 1
+    assert plans.plan(("a",), make, 2)() == 1  # kept: make is not called again
+    assert plans.plan(("b",), make, 3)() == 3
+    assert made == [1, 3] and len(plans) == 2
+    with compile_only():
+        assert plans.plan(("c",), make, 4)() == 4
+        assert plans.plan(("a",), make, 5)() == 5  # stand-in kernels: always planned afresh
+    assert len(plans) == 2
+    # An unhashable argument (a list where a tuple is expected) is planned afresh, so that its
+    # check can report it, and never kept.
+    assert plans.plan(([1, 2],), make, 6)() == 6
+    assert len(plans) == 2
+
+
+def test_a_full_cache_starts_over(monkeypatch):
+    monkeypatch.setattr(jit, "PLANS_PER_LAUNCHER", 3)
+    plans = LaunchPlans()
+    for value in range(3):
+        plans.plan((value,), lambda v: lambda: v, value)
+    assert len(plans) == 3
+    plans.plan((3,), lambda v: lambda: v, 3)
+    assert len(plans) == 1
+
+
+def test_a_failed_check_keeps_no_plan():
+    def make():
+        raise ValueError("x must be 2-D")
+
+    plans = LaunchPlans()
+    with pytest.raises(ValueError, match="2-D"):
+        plans.plan(("x",), make)
+    assert len(plans) == 0
+
+
+def _captured(function, seen=None):
+    """Every object a function's closure holds, through nested functions, tuples and lists."""
+    seen = set() if seen is None else seen
+    if id(function) in seen:
+        return
+    seen.add(id(function))
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        yield from _held(value, seen)
+
+
+def _held(value, seen):
+    yield value
+    if callable(value) and hasattr(value, "__closure__"):
+        yield from _captured(value, seen)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _held(item, seen)
+
+
+def _planned_cases():
+    for op in registry.all_ops().values():
+        if op.optimized() is not None:
+            yield from (pytest.param(op, case, id=case.label) for case in op.cases("quick")[:6])
+
+
+@pytest.mark.parametrize("op,case", list(_planned_cases()))
+def test_a_plan_keeps_none_of_its_calls_tensors(monkeypatch, op, case):
+    plans = []
+    original = LaunchPlans.plan
+
+    def recording(self, key, make, *arguments):
+        plan = original(self, key, make, *arguments)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(LaunchPlans, "plan", recording)
+    call = op.build(case, torch.device("cpu"), None)
+    with outputs_only():
+        call(op.optimized())
+    inputs = {id(tensor) for tensor in call.tensors()}
+    for plan in plans:
+        held = [value for value in _captured(plan) if isinstance(value, torch.Tensor) and id(value) in inputs]
+        assert not held, f"{op.name}: the plan holds {len(held)} of the call's tensors"
+
+
+@pytest.mark.gpu
+def test_a_kept_plan_still_refuses_what_its_checks_refuse():
+    from tileproof.optimized.quant import per_token_cast
+
+    x = torch.randn(64, 256, device="cuda").to(torch.bfloat16)
+    per_token_cast(x, "e4m3", 128, round_sf=True)  # keeps a plan for round_sf=True
+    with pytest.raises(TypeError, match="round_sf"):
+        per_token_cast(x, "e4m3", 128, round_sf=1)  # equal to True in Python, refused by the check
+    with pytest.raises(ValueError, match="CUDA"):
+        per_token_cast(x.cpu(), "e4m3", 128, round_sf=True)
+
+
+@pytest.mark.gpu
+def test_views_of_other_alignments_get_their_own_plans():
+    """The same shape and strides at 16, 4 and 2 bytes past an aligned address: three vector
+    widths, each call bit for bit the reference's (a plan kept for the aligned view would read the
+    others with misaligned 16-byte loads)."""
+    from tileproof.optimized.jit import poison_outputs
+    from tileproof.optimized.quant import per_token_cast
+    from tileproof.reference.quant import per_token_cast as reference
+
+    storage = (torch.randn(64 * 264 + 16, generator=torch.Generator().manual_seed(7)) * 3).to(torch.bfloat16).cuda()
+    for offset in (8, 2, 1, 8):
+        x = storage[offset : offset + 64 * 264].view(64, 264)[:, :256]
+        with poison_outputs():
+            q, sf = per_token_cast(x, "e4m3", 128)
+        q_ref, sf_ref = reference(x.cpu(), "e4m3", 128)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), offset
+        assert torch.equal(sf.cpu(), sf_ref), offset
