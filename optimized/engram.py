@@ -57,7 +57,6 @@ from .device import SHARED_MEMORY_BYTES
 from .jit import (
     LaunchPlans,
     address,
-    call_signature,
     compiling_only,
     device_constant,
     flat_view,
@@ -328,13 +327,13 @@ def _fused_weight_plan(wh: torch.Tensor, we: torch.Tensor):
     return run
 
 
-_FUSED_WEIGHT_PLANS = LaunchPlans()
+_FUSED_WEIGHT_PLANS = LaunchPlans(_fused_weight_plan)
 
 
 def fused_weight(wh: torch.Tensor, we: torch.Tensor) -> torch.Tensor:
     """``w = wh ⊙ we`` in fp32; same contract as ``tileproof.reference.engram.fused_weight``, bit
     for bit (the product of two bf16 values is exact). The gains need unit stride along D."""
-    return _FUSED_WEIGHT_PLANS.plan(call_signature(wh, we), _fused_weight_plan, wh, we)(wh, we)
+    return _FUSED_WEIGHT_PLANS.plan(wh, we)(wh, we)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,7 +584,7 @@ def _gate_fwd_plan(x, k, v, w, eps, clamp_value, save_for_backward):
     return run
 
 
-_GATE_FWD_PLANS = LaunchPlans()
+_GATE_FWD_PLANS = LaunchPlans(_gate_fwd_plan)
 
 
 def engram_gate_fwd(
@@ -601,7 +600,7 @@ def engram_gate_fwd(
     ``tileproof.reference.engram.engram_gate_fwd`` (k and v may be strided views, e.g. of one fused
     projection output), within the oracle's bounds: the sums over D run in another order."""
     arguments = (x, k, v, w, eps, clamp_value, save_for_backward)
-    return _GATE_FWD_PLANS.plan(call_signature(*arguments), _gate_fwd_plan, *arguments)(x, k, v, w)
+    return _GATE_FWD_PLANS.plan(*arguments)(x, k, v, w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1033,7 +1032,7 @@ def _meta_gradients(tokens: int, streams: int, hidden: int) -> tuple[torch.Tenso
     return dk, torch.empty((tokens, hidden), dtype=torch.bfloat16, device="meta")
 
 
-_GATE_BWD_PLANS = LaunchPlans()
+_GATE_BWD_PLANS = LaunchPlans(_gate_bwd_plan)
 
 
 def engram_gate_bwd(
@@ -1061,7 +1060,7 @@ def engram_gate_bwd(
 
     At most 32 streams (n ≤ 32; ``ValueError`` otherwise): one lane per stream finishes its sums."""
     arguments = (grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials, grad_kv)
-    plan = _GATE_BWD_PLANS.plan(call_signature(*arguments), _gate_bwd_plan, *arguments)
+    plan = _GATE_BWD_PLANS.plan(*arguments)
     return plan(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, grad_kv)
 
 
@@ -1209,7 +1208,7 @@ def _grad_w_reduce_plan(dw_partial, wh, we, grad_wh, grad_we):
     return run
 
 
-_REDUCE_PLANS = LaunchPlans()
+_REDUCE_PLANS = LaunchPlans(_grad_w_reduce_plan)
 
 
 def grad_w_reduce(
@@ -1223,4 +1222,4 @@ def grad_w_reduce(
     same contract as ``tileproof.reference.engram.grad_w_reduce`` (any P, P = 0 included), within
     the oracle's bound. Every tensor needs unit stride along D."""
     arguments = (dw_partial, wh, we, grad_wh, grad_we)
-    _REDUCE_PLANS.plan(call_signature(*arguments), _grad_w_reduce_plan, *arguments)(*arguments)
+    _REDUCE_PLANS.plan(*arguments)(*arguments)

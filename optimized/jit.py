@@ -363,8 +363,9 @@ PLANS_PER_LAUNCHER = 256
 
 def tensor_signature(tensor: torch.Tensor) -> tuple:
     """What a launcher's decisions may read off a tensor: shape, strides, dtype, device and the
-    address modulo 16 bytes (the widest vector a kernel loads)."""
-    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, address(tensor) % 16)
+    address modulo 16 bytes (the widest vector a kernel loads). Real tensors only (a fake one has
+    no address)."""
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() % 16)
 
 
 def call_signature(*arguments) -> tuple:
@@ -382,28 +383,32 @@ class LaunchPlans:
     contract's argument checks, the kernel configuration, vector widths, grid and scalar arguments.
     A launcher splits into a *plan function*, which makes those checks and decisions for the
     arguments it is given and returns the plan (a function of the call's tensors that allocates the
-    outputs, launches and returns the results), and a thin entry point that looks the plan up by
-    ``call_signature`` of every argument the plan function reads. A new signature runs every check,
-    so a plan is only ever reused by calls that would pass the same checks and make the same
-    decisions. While compiling only (stand-in kernels, fake tensors) plans are made afresh and never
-    kept; an unhashable argument (a list where a tuple is expected) is planned afresh too, so that
-    its check reports it."""
+    outputs, launches and returns the results), and a thin entry point that asks
+    ``LaunchPlans(plan_function).plan(*arguments)`` for the plan of its arguments: the one kept for
+    their ``call_signature``, else a new one. The entry point passes every argument the plan
+    function reads, so a new signature runs every check, and a plan is only ever reused by calls
+    that would pass the same checks and make the same decisions. While compiling only (stand-in
+    kernels, fake tensors) plans are made afresh and never kept; an unhashable argument (a list
+    where a tuple is expected) is planned afresh too, so that its check reports it."""
 
-    __slots__ = ("_plans",)
+    __slots__ = ("_make", "_plans")
 
-    def __init__(self):
+    def __init__(self, make: Callable[..., Callable]):
+        self._make = make
         self._plans: dict[tuple, Callable] = {}
 
-    def plan(self, key: tuple, make: Callable[..., Callable], *arguments) -> Callable:
-        """The plan kept for ``key``, or ``make(*arguments)`` (kept unless compiling only)."""
+    def plan(self, *arguments) -> Callable:
+        """The plan for these arguments: kept for their signature, or made now (and kept unless
+        compiling only)."""
         if compiling_only():
-            return make(*arguments)
+            return self._make(*arguments)
+        key = call_signature(*arguments)
         try:
             plan = self._plans.get(key)
         except TypeError:
-            return make(*arguments)
+            return self._make(*arguments)
         if plan is None:
-            plan = make(*arguments)
+            plan = self._make(*arguments)
             if len(self._plans) >= PLANS_PER_LAUNCHER:
                 self._plans.clear()
             self._plans[key] = plan

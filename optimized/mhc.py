@@ -55,8 +55,6 @@ from tileproof.reference.mhc import (
 from .jit import (
     LaunchPlans,
     address,
-    call_signature,
-    compiling_only,
     device_constant,
     flat_view,
     jit,
@@ -445,22 +443,19 @@ def _sinkhorn_plan(comb_res_mix: torch.Tensor, repeat, eps, backward: bool, grad
     return run_backward
 
 
-_SINKHORN_PLANS = LaunchPlans()
+_SINKHORN_PLANS = LaunchPlans(_sinkhorn_plan)
 
 
 def sinkhorn_normalize(comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6) -> torch.Tensor:
     """Project the comb logits onto (approximately) doubly stochastic matrices (see the reference)."""
-    key = call_signature(comb_res_mix, repeat, eps)
-    return _SINKHORN_PLANS.plan(key, _sinkhorn_plan, comb_res_mix, repeat, eps, False)(comb_res_mix)
+    return _SINKHORN_PLANS.plan(comb_res_mix, repeat, eps, False)(comb_res_mix)
 
 
 def sinkhorn_normalize_bwd(
     grad_output: torch.Tensor, comb_res_mix: torch.Tensor, repeat: int = 10, eps: float = 1e-6
 ) -> torch.Tensor:
     """Gradient of ``sinkhorn_normalize`` w.r.t. its logits, recomputing the iterations on chip."""
-    key = call_signature(comb_res_mix, repeat, eps, grad_output)
-    plan = _SINKHORN_PLANS.plan(key, _sinkhorn_plan, comb_res_mix, repeat, eps, True, grad_output)
-    return plan(comb_res_mix, grad_output)
+    return _SINKHORN_PLANS.plan(comb_res_mix, repeat, eps, True, grad_output)(comb_res_mix, grad_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -977,36 +972,45 @@ def expand_kernel(n: int, vector: int, items: int = STREAM_ITEMS, threads: int =
     return kernel
 
 
-def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-    """Mix the n streams into the sublayer input: bf16 ``[T, C]`` ``Σ_i mix_i·X[i]`` (fp32, rounded once)."""
+def _apply_mix_plan(x, mix):
+    """Check an ``mhc_pre_apply_mix`` of these signatures and decide its launch; the plan:
+    ``run(x, mix) -> out``."""
     tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
     check_shape("mix", mix, (tokens, n))
     require_cuda("x", x)
     require_cuda("mix", mix)
-    out = new_output(torch.empty((tokens, hidden), dtype=BF16, device=x.device))
-    if out.numel() == 0:
-        return out
+    device = x.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, hidden), dtype=BF16, device=device))
+
+    if tokens * hidden == 0:
+        return lambda x, mix: allocate()
     vector = _stream_vector(hidden, x)
-    kernel = apply_mix_kernel(n, vector)
-    if compiling_only():
+    kernel = launched(apply_mix_kernel(n, vector))
+    scalars = (tokens, hidden // vector, *_channel_strides(x, vector), *mix.stride())
+
+    def run(x, mix):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(x), flat_view(mix), flat_view(out), *scalars)
         return out
-    kernel(
-        flat_view(x),
-        flat_view(mix),
-        flat_view(out),
-        tokens,
-        hidden // vector,
-        *_channel_strides(x, vector),
-        *mix.stride(),
-    )
-    return out
+
+    return run
 
 
-def mhc_pre_apply_mix_bwd(
-    grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit backward of ``mhc_pre_apply_mix``: ``(dx bf16 [T, n, C], dmix fp32 [T, n])``."""
+_APPLY_MIX_PLANS = LaunchPlans(_apply_mix_plan)
+
+
+def mhc_pre_apply_mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """Mix the n streams into the sublayer input: bf16 ``[T, C]`` ``Σ_i mix_i·X[i]`` (fp32, rounded once)."""
+    return _APPLY_MIX_PLANS.plan(x, mix)(x, mix)
+
+
+def _apply_mix_bwd_plan(grad_output, x, mix):
+    """Check an ``mhc_pre_apply_mix_bwd`` of these signatures and decide its launch; the plan:
+    ``run(grad_output, x, mix) -> (dx, dmix)``."""
     tokens, n, hidden = check_residual("x", x)
     check_tensor("mix", mix, dtypes=(F32,), ndim=2)
     check_shape("mix", mix, (tokens, n))
@@ -1014,29 +1018,50 @@ def mhc_pre_apply_mix_bwd(
     check_shape("grad_output", grad_output, (tokens, hidden))
     for name, tensor in (("grad_output", grad_output), ("x", x), ("mix", mix)):
         require_cuda(name, tensor)
-    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=x.device))
-    d_mix = new_output(torch.empty((tokens, n), dtype=F32, device=x.device))
+    device = x.device
+
+    def allocate():
+        d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=device))
+        return d_residual, new_output(torch.empty((tokens, n), dtype=F32, device=device))
+
     if tokens == 0 or n == 0:
-        return d_residual, d_mix
+        return lambda grad_output, x, mix: allocate()
     if hidden == 0:
-        return d_residual, d_mix.zero_()
+
+        def zero_mix_gradient(grad_output, x, mix):
+            d_residual, d_mix = allocate()
+            return d_residual, d_mix.zero_()
+
+        return zero_mix_gradient
     vector = _stream_vector(hidden, grad_output, x)
-    kernel = apply_mix_bwd_kernel(n, vector)
-    if compiling_only():
-        return d_residual, d_mix
-    kernel(
-        flat_view(grad_output),
-        flat_view(x),
-        flat_view(mix),
-        flat_view(d_residual),
-        flat_view(d_mix),
+    kernel = launched(apply_mix_bwd_kernel(n, vector))
+    scalars = (
         tokens,
         hidden // vector,
         *_channel_strides(grad_output, vector),
         *_channel_strides(x, vector),
         *mix.stride(),
     )
-    return d_residual, d_mix
+
+    def run(grad_output, x, mix):
+        d_residual, d_mix = allocate()
+        if kernel is not None:
+            kernel(
+                flat_view(grad_output), flat_view(x), flat_view(mix), flat_view(d_residual), flat_view(d_mix), *scalars
+            )
+        return d_residual, d_mix
+
+    return run
+
+
+_APPLY_MIX_BWD_PLANS = LaunchPlans(_apply_mix_bwd_plan)
+
+
+def mhc_pre_apply_mix_bwd(
+    grad_output: torch.Tensor, x: torch.Tensor, mix: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit backward of ``mhc_pre_apply_mix``: ``(dx bf16 [T, n, C], dmix fp32 [T, n])``."""
+    return _APPLY_MIX_BWD_PLANS.plan(grad_output, x, mix)(grad_output, x, mix)
 
 
 def post_schedule(hidden_vectors: int) -> tuple[int, int]:
@@ -1052,28 +1077,23 @@ def post_schedule(hidden_vectors: int) -> tuple[int, int]:
     return POST_WIDE_ITEMS, 32 * ceil_div(ceil_div(hidden_vectors, POST_WIDE_ITEMS), 32)
 
 
-def mhc_post(
-    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor
-) -> torch.Tensor:
-    """Write the sublayer output back into the streams and mix the residual: bf16 ``[T, n, C]``
-    ``post_o·y + Σ_i comb[i, o]·X[i]`` (fp32, rounded once)."""
+def _post_plan(x, residual, post_layer_mix, comb_res_mix):
+    """Check an ``mhc_post`` of these signatures and decide its launch; the plan:
+    ``run(x, residual, post_layer_mix, comb_res_mix) -> out``."""
     tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
     for name, tensor in (("x", x), ("residual", residual), ("post_layer_mix", post_layer_mix)):
         require_cuda(name, tensor)
     require_cuda("comb_res_mix", comb_res_mix)
-    out = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=residual.device))
-    if out.numel() == 0:
-        return out
+    device = residual.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=device))
+
+    if tokens * n * hidden == 0:
+        return lambda *tensors: allocate()
     vector = _stream_vector(hidden, x, residual)
-    kernel = post_kernel(n, vector, *post_schedule(hidden // vector))
-    if compiling_only():
-        return out
-    kernel(
-        flat_view(x),
-        flat_view(residual),
-        flat_view(post_layer_mix),
-        flat_view(comb_res_mix),
-        flat_view(out),
+    kernel = launched(post_kernel(n, vector, *post_schedule(hidden // vector)))
+    scalars = (
         tokens,
         hidden // vector,
         *_channel_strides(x, vector),
@@ -1081,7 +1101,94 @@ def mhc_post(
         *post_layer_mix.stride(),
         *comb_res_mix.stride(),
     )
-    return out
+
+    def run(x, residual, post_layer_mix, comb_res_mix):
+        out = allocate()
+        if kernel is not None:
+            kernel(
+                flat_view(x),
+                flat_view(residual),
+                flat_view(post_layer_mix),
+                flat_view(comb_res_mix),
+                flat_view(out),
+                *scalars,
+            )
+        return out
+
+    return run
+
+
+_POST_PLANS = LaunchPlans(_post_plan)
+
+
+def mhc_post(
+    x: torch.Tensor, residual: torch.Tensor, post_layer_mix: torch.Tensor, comb_res_mix: torch.Tensor
+) -> torch.Tensor:
+    """Write the sublayer output back into the streams and mix the residual: bf16 ``[T, n, C]``
+    ``post_o·y + Σ_i comb[i, o]·X[i]`` (fp32, rounded once)."""
+    return _POST_PLANS.plan(x, residual, post_layer_mix, comb_res_mix)(x, residual, post_layer_mix, comb_res_mix)
+
+
+def _post_bwd_plan(grad_output, x, residual, post_layer_mix, comb_res_mix):
+    """Check an ``mhc_post_bwd`` of these signatures and decide its launch; the plan:
+    ``run(grad_output, x, residual, post_layer_mix, comb_res_mix) -> (dx, dresidual, dpost, dcomb)``."""
+    tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
+    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
+    check_shape("grad_output", grad_output, (tokens, n, hidden))
+    for name, tensor in (("grad_output", grad_output), ("x", x), ("residual", residual)):
+        require_cuda(name, tensor)
+    require_cuda("post_layer_mix", post_layer_mix)
+    require_cuda("comb_res_mix", comb_res_mix)
+    device = residual.device
+
+    def allocate():
+        d_x = new_output(torch.empty((tokens, hidden), dtype=BF16, device=device))
+        d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=device))
+        d_post = new_output(torch.empty((tokens, n), dtype=F32, device=device))
+        return d_x, d_residual, d_post, new_output(torch.empty((tokens, n, n), dtype=F32, device=device))
+
+    if tokens == 0 or n == 0:
+        return lambda *tensors: allocate()
+    if hidden == 0:
+
+        def zero_mix_gradients(*tensors):
+            d_x, d_residual, d_post, d_comb = allocate()
+            return d_x, d_residual, d_post.zero_(), d_comb.zero_()
+
+        return zero_mix_gradients
+    vector = _stream_vector(hidden, grad_output, x, residual)
+    kernel = launched(post_bwd_kernel(n, vector, post_bwd_threads(hidden // vector)))
+    scalars = (
+        tokens,
+        hidden // vector,
+        *_channel_strides(grad_output, vector),
+        *_channel_strides(x, vector),
+        *_channel_strides(residual, vector),
+        *post_layer_mix.stride(),
+        *comb_res_mix.stride(),
+    )
+
+    def run(grad_output, x, residual, post_layer_mix, comb_res_mix):
+        d_x, d_residual, d_post, d_comb = allocate()
+        if kernel is not None:
+            kernel(
+                flat_view(grad_output),
+                flat_view(x),
+                flat_view(residual),
+                flat_view(post_layer_mix),
+                flat_view(comb_res_mix),
+                flat_view(d_x),
+                flat_view(d_residual),
+                flat_view(d_post),
+                flat_view(d_comb),
+                *scalars,
+            )
+        return d_x, d_residual, d_post, d_comb
+
+    return run
+
+
+_POST_BWD_PLANS = LaunchPlans(_post_bwd_plan)
 
 
 def mhc_post_bwd(
@@ -1093,62 +1200,74 @@ def mhc_post_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Explicit backward of ``mhc_post``: ``(dx bf16 [T, C], dresidual bf16 [T, n, C], dpost fp32
     [T, n], dcomb fp32 [T, n, n])``."""
-    tokens, n, hidden = check_post_inputs(x, residual, post_layer_mix, comb_res_mix)
-    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
-    check_shape("grad_output", grad_output, (tokens, n, hidden))
-    for name, tensor in (("grad_output", grad_output), ("x", x), ("residual", residual)):
-        require_cuda(name, tensor)
-    require_cuda("post_layer_mix", post_layer_mix)
-    require_cuda("comb_res_mix", comb_res_mix)
-    device = residual.device
-    d_x = new_output(torch.empty((tokens, hidden), dtype=BF16, device=device))
-    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16, device=device))
-    d_post = new_output(torch.empty((tokens, n), dtype=F32, device=device))
-    d_comb = new_output(torch.empty((tokens, n, n), dtype=F32, device=device))
-    if tokens == 0 or n == 0:
-        return d_x, d_residual, d_post, d_comb
-    if hidden == 0:
-        return d_x, d_residual, d_post.zero_(), d_comb.zero_()
-    vector = _stream_vector(hidden, grad_output, x, residual)
-    kernel = post_bwd_kernel(n, vector, post_bwd_threads(hidden // vector))
-    if compiling_only():
-        return d_x, d_residual, d_post, d_comb
-    kernel(
-        flat_view(grad_output),
-        flat_view(x),
-        flat_view(residual),
-        flat_view(post_layer_mix),
-        flat_view(comb_res_mix),
-        flat_view(d_x),
-        flat_view(d_residual),
-        flat_view(d_post),
-        flat_view(d_comb),
-        tokens,
-        hidden // vector,
-        *_channel_strides(grad_output, vector),
-        *_channel_strides(x, vector),
-        *_channel_strides(residual, vector),
-        *post_layer_mix.stride(),
-        *comb_res_mix.stride(),
-    )
-    return d_x, d_residual, d_post, d_comb
+    arguments = (grad_output, x, residual, post_layer_mix, comb_res_mix)
+    return _POST_BWD_PLANS.plan(*arguments)(*arguments)
 
 
-def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int) -> torch.Tensor:
-    """Copy the hidden state into every stream: bf16 ``[T, C] → [T, n, C]`` contiguous (exact)."""
+def _expand_plan(hidden, mhc_mult):
+    """Check an ``expand_to_mhc`` of these signatures and decide its launch; the plan: ``run(hidden) -> out``."""
     check_tensor("hidden", hidden, dtypes=(BF16,), ndim=2)
     n = check_positive_int("mhc_mult", mhc_mult)
     require_cuda("hidden", hidden)
     tokens, width = hidden.shape
-    out = new_output(torch.empty((tokens, n, width), dtype=BF16, device=hidden.device))
-    if out.numel() == 0:
-        return out
+    device = hidden.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, n, width), dtype=BF16, device=device))
+
+    if tokens * width == 0:
+        return lambda hidden: allocate()
     vector = _stream_vector(width, hidden)
-    kernel = expand_kernel(n, vector)
-    if compiling_only():
+    kernel = launched(expand_kernel(n, vector))
+    scalars = (tokens, width // vector, *_channel_strides(hidden, vector))
+
+    def run(hidden):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(hidden), flat_view(out), *scalars)
         return out
-    kernel(flat_view(hidden), flat_view(out), tokens, width // vector, *_channel_strides(hidden, vector))
-    return out
+
+    return run
+
+
+_EXPAND_PLANS = LaunchPlans(_expand_plan)
+
+
+def expand_to_mhc(hidden: torch.Tensor, mhc_mult: int) -> torch.Tensor:
+    """Copy the hidden state into every stream: bf16 ``[T, C] → [T, n, C]`` contiguous (exact)."""
+    return _EXPAND_PLANS.plan(hidden, mhc_mult)(hidden)
+
+
+def _expand_bwd_plan(grad_output):
+    """Check an ``expand_to_mhc_bwd`` of this signature and decide its launch; the plan:
+    ``run(grad_output) -> out``."""
+    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
+    require_cuda("grad_output", grad_output)
+    tokens, n, hidden = grad_output.shape
+    device = grad_output.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, hidden), dtype=BF16, device=device))
+
+    if tokens * hidden == 0:
+        return lambda grad_output: allocate()
+    if n == 0:
+        return lambda grad_output: allocate().zero_()
+    vector = _stream_vector(hidden, grad_output)
+    kernel = launched(apply_mix_kernel(n, vector))
+    ones = device_constant(F32, device, value=1, numel=1)
+    scalars = (tokens, hidden // vector, *_channel_strides(grad_output, vector), 0, 0)
+
+    def run(grad_output):
+        out = allocate()
+        if kernel is not None:
+            kernel(flat_view(grad_output), ones, flat_view(out), *scalars)
+        return out
+
+    return run
+
+
+_EXPAND_BWD_PLANS = LaunchPlans(_expand_bwd_plan)
 
 
 def expand_to_mhc_bwd(grad_output: torch.Tensor) -> torch.Tensor:
@@ -1156,29 +1275,7 @@ def expand_to_mhc_bwd(grad_output: torch.Tensor) -> torch.Tensor:
 
     Runs ``apply_mix_kernel`` with unit weights (a stride-0 tensor of ones): ``1·g`` is exact and a
     fused ``1·g + acc`` rounds like ``g + acc``, so this is the in-order sum, bit for bit."""
-    check_tensor("grad_output", grad_output, dtypes=(BF16,), ndim=3)
-    require_cuda("grad_output", grad_output)
-    tokens, n, hidden = grad_output.shape
-    out = new_output(torch.empty((tokens, hidden), dtype=BF16, device=grad_output.device))
-    if out.numel() == 0:
-        return out
-    if n == 0:
-        return out.zero_()
-    vector = _stream_vector(hidden, grad_output)
-    kernel = apply_mix_kernel(n, vector)
-    if compiling_only():
-        return out
-    kernel(
-        flat_view(grad_output),
-        device_constant(F32, grad_output.device, value=1, numel=1),
-        flat_view(out),
-        tokens,
-        hidden // vector,
-        *_channel_strides(grad_output, vector),
-        0,
-        0,
-    )
-    return out
+    return _EXPAND_BWD_PLANS.plan(grad_output)(grad_output)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1371,6 +1468,47 @@ def _token_blocks(tokens: int) -> int:
     return min(PARTIAL_BLOCKS, ceil_div(tokens, TOKEN_THREADS))
 
 
+def _split_plan(input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps):
+    """Check an ``mhc_pre_split_mixes`` of these signatures and decide its launch; the plan:
+    ``run(input_mixes, mhc_scale, mhc_base) -> (pre, post, comb)``."""
+    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
+    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
+    for name, tensor in (("input_mixes", input_mixes), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
+        require_cuda(name, tensor)
+    tokens = input_mixes.shape[0]
+    device = input_mixes.device
+
+    def allocate():
+        pre = new_output(torch.empty((tokens, n), dtype=F32, device=device))
+        post = new_output(torch.empty((tokens, n), dtype=F32, device=device))
+        return pre, post, new_output(torch.empty((tokens, n, n), dtype=F32, device=device))
+
+    if tokens == 0:
+        return lambda *tensors: allocate()
+    kernel = launched(split_kernel(n, False))
+    scalars = (tokens, *input_mixes.stride(), post_mult, pre_eps)
+
+    def run(input_mixes, mhc_scale, mhc_base):
+        pre, post, comb = allocate()
+        if kernel is not None:
+            kernel(
+                flat_view(input_mixes),
+                flat_view(mhc_scale),
+                flat_view(mhc_base),
+                flat_view(pre),
+                flat_view(post),
+                flat_view(comb),
+                *scalars,
+            )
+        return pre, post, comb
+
+    return run
+
+
+_SPLIT_PLANS = LaunchPlans(_split_plan)
+
+
 def mhc_pre_split_mixes(
     input_mixes: torch.Tensor,
     mhc_scale: torch.Tensor,
@@ -1380,62 +1518,34 @@ def mhc_pre_split_mixes(
     mhc_pre_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the normed mixes into ``(pre [T, n], post [T, n], comb logits [T, n, n])`` (fp32, contiguous)."""
-    n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
-    post_mult = check_nonnegative_float("mhc_post_mult_value", mhc_post_mult_value)
-    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
-    for name, tensor in (("input_mixes", input_mixes), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
-        require_cuda(name, tensor)
-    tokens = input_mixes.shape[0]
-    device = input_mixes.device
-    pre = new_output(torch.empty((tokens, n), dtype=F32, device=device))
-    post = new_output(torch.empty((tokens, n), dtype=F32, device=device))
-    comb = new_output(torch.empty((tokens, n, n), dtype=F32, device=device))
-    if tokens == 0:
-        return pre, post, comb
-    kernel = split_kernel(n, False)
-    if compiling_only():
-        return pre, post, comb
-    kernel(
-        flat_view(input_mixes),
-        flat_view(mhc_scale),
-        flat_view(mhc_base),
-        flat_view(pre),
-        flat_view(post),
-        flat_view(comb),
-        tokens,
-        *input_mixes.stride(),
-        post_mult,
-        pre_eps,
-    )
-    return pre, post, comb
+    arguments = (input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value, mhc_pre_eps)
+    return _SPLIT_PLANS.plan(*arguments)(input_mixes, mhc_scale, mhc_base)
 
 
-def _split_backward(grads, mixes, scale, base, n: int, post_mult: float, head: bool):
-    """Launch the two stages of the split / head backward: ``(dmixes, dscale, dbase)``."""
+def _split_backward_plan(grads, mixes, scale, base, n: int, post_mult: float, head: bool):
+    """The two stages of the split / head backward for these signatures (checked by the caller);
+    the plan: ``run(grads, mixes, scale, base) -> (dmixes, dscale, dbase)``."""
     tokens, columns = mixes.shape
+    scales = scale.shape[0]
     device = mixes.device
-    d_mixes = new_output(torch.empty((tokens, columns), dtype=F32, device=device))
-    d_scale = new_output(torch.empty((scale.shape[0],), dtype=F32, device=device))
-    d_base = new_output(torch.empty((columns,), dtype=F32, device=device))
+
+    def allocate():
+        d_mixes = new_output(torch.empty((tokens, columns), dtype=F32, device=device))
+        d_scale = new_output(torch.empty((scales,), dtype=F32, device=device))
+        return d_mixes, d_scale, new_output(torch.empty((columns,), dtype=F32, device=device))
+
     if tokens == 0:
-        return d_mixes, d_scale.zero_(), d_base.zero_()
+
+        def zero_parameter_gradients(*tensors):
+            d_mixes, d_scale, d_base = allocate()
+            return d_mixes, d_scale.zero_(), d_base.zero_()
+
+        return zero_parameter_gradients
     blocks = _token_blocks(tokens)
-    first = split_bwd_kernel(n, head)
-    second = parameter_grad_kernel(n, head)
-    if compiling_only():
-        return d_mixes, d_scale, d_base
-    # Every CTA writes its whole row: no initialisation needed.
-    partial = torch.empty((blocks, 2 * columns), dtype=F32, device=device)
+    first = launched(split_bwd_kernel(n, head))
+    second = launched(parameter_grad_kernel(n, head))
     grad_pre, grad_post, grad_comb = grads
-    first(
-        flat_view(grad_pre),
-        flat_view(grad_post),
-        flat_view(grad_comb),
-        flat_view(mixes),
-        flat_view(scale),
-        flat_view(base),
-        flat_view(d_mixes),
-        partial.reshape(-1),
+    scalars = (
         tokens,
         *grad_pre.stride(),
         *grad_post.stride(),
@@ -1444,21 +1554,33 @@ def _split_backward(grads, mixes, scale, base, n: int, post_mult: float, head: b
         post_mult,
         blocks,
     )
-    second(partial.reshape(-1), flat_view(d_scale), flat_view(d_base), blocks)
-    return d_mixes, d_scale, d_base
+
+    def run(grads, mixes, scale, base):
+        d_mixes, d_scale, d_base = allocate()
+        if first is None:
+            return d_mixes, d_scale, d_base
+        # Every CTA writes its whole row: no initialisation needed.
+        partial = torch.empty((blocks * 2 * columns,), dtype=F32, device=device)
+        grad_pre, grad_post, grad_comb = grads
+        first(
+            flat_view(grad_pre),
+            flat_view(grad_post),
+            flat_view(grad_comb),
+            flat_view(mixes),
+            flat_view(scale),
+            flat_view(base),
+            flat_view(d_mixes),
+            partial,
+            *scalars,
+        )
+        second(partial, flat_view(d_scale), flat_view(d_base), blocks)
+        return d_mixes, d_scale, d_base
+
+    return run
 
 
-def mhc_pre_split_mixes_bwd(
-    grad_pre: torch.Tensor,
-    grad_post: torch.Tensor,
-    grad_comb: torch.Tensor,
-    input_mixes: torch.Tensor,
-    mhc_scale: torch.Tensor,
-    mhc_base: torch.Tensor,
-    mhc_mult: int,
-    mhc_post_mult_value: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Explicit backward of ``mhc_pre_split_mixes``: ``(dmixes [T, n² + 2n], dscale [3], dbase [n² + 2n])``."""
+def _split_bwd_plan(grad_pre, grad_post, grad_comb, input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value):
+    """Check an ``mhc_pre_split_mixes_bwd`` of these signatures; the plan: ``_split_backward_plan``'s."""
     n = check_split_inputs(input_mixes, mhc_scale, mhc_base, mhc_mult)
     tokens = input_mixes.shape[0]
     for name, value, shape in (
@@ -1474,60 +1596,107 @@ def mhc_pre_split_mixes_bwd(
     for name, tensor in (("input_mixes", input_mixes), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
         require_cuda(name, tensor)
     grads = (grad_pre, grad_post, grad_comb)
-    return _split_backward(grads, input_mixes, mhc_scale, mhc_base, n, post_mult, head=False)
+    return _split_backward_plan(grads, input_mixes, mhc_scale, mhc_base, n, post_mult, head=False)
+
+
+_SPLIT_BWD_PLANS = LaunchPlans(_split_bwd_plan)
+
+
+def mhc_pre_split_mixes_bwd(
+    grad_pre: torch.Tensor,
+    grad_post: torch.Tensor,
+    grad_comb: torch.Tensor,
+    input_mixes: torch.Tensor,
+    mhc_scale: torch.Tensor,
+    mhc_base: torch.Tensor,
+    mhc_mult: int,
+    mhc_post_mult_value: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Explicit backward of ``mhc_pre_split_mixes``: ``(dmixes [T, n² + 2n], dscale [3], dbase [n² + 2n])``."""
+    arguments = (grad_pre, grad_post, grad_comb, input_mixes, mhc_scale, mhc_base, mhc_mult, mhc_post_mult_value)
+    plan = _SPLIT_BWD_PLANS.plan(*arguments)
+    return plan((grad_pre, grad_post, grad_comb), input_mixes, mhc_scale, mhc_base)
+
+
+def _head_plan(input_mix, mhc_scale, mhc_base, mhc_pre_eps):
+    """Check an ``mhc_head_compute_mix`` of these signatures and decide its launch; the plan:
+    ``run(input_mix, mhc_scale, mhc_base) -> out``."""
+    tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
+    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
+    for name, tensor in (("input_mix", input_mix), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
+        require_cuda(name, tensor)
+    device = input_mix.device
+
+    def allocate():
+        return new_output(torch.empty((tokens, n), dtype=F32, device=device))
+
+    if tokens * n == 0:
+        return lambda *tensors: allocate()
+    kernel = launched(split_kernel(n, True))
+    scalars = (tokens, *input_mix.stride(), 0.0, pre_eps)
+
+    def run(input_mix, mhc_scale, mhc_base):
+        out = allocate()
+        if kernel is not None:
+            # The post and comb outputs do not exist for the head: the kernel never touches them.
+            flat_out = flat_view(out)
+            kernel(
+                flat_view(input_mix), flat_view(mhc_scale), flat_view(mhc_base), flat_out, flat_out, flat_out, *scalars
+            )
+        return out
+
+    return run
+
+
+_HEAD_PLANS = LaunchPlans(_head_plan)
 
 
 def mhc_head_compute_mix(
     input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor, mhc_pre_eps: float
 ) -> torch.Tensor:
     """Head weights before the LM head: fp32 ``[T, n]`` ``σ(s·m + b) + pre_eps`` (``split_kernel``'s pre group)."""
-    tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
-    pre_eps = check_nonnegative_float("mhc_pre_eps", mhc_pre_eps)
-    for name, tensor in (("input_mix", input_mix), ("mhc_scale", mhc_scale), ("mhc_base", mhc_base)):
-        require_cuda(name, tensor)
-    out = new_output(torch.empty((tokens, n), dtype=F32, device=input_mix.device))
-    if out.numel() == 0:
-        return out
-    kernel = split_kernel(n, True)
-    if compiling_only():
-        return out
-    # The post and comb outputs do not exist for the head: the kernel never touches them.
-    kernel(
-        flat_view(input_mix),
-        flat_view(mhc_scale),
-        flat_view(mhc_base),
-        flat_view(out),
-        flat_view(out),
-        flat_view(out),
-        tokens,
-        *input_mix.stride(),
-        0.0,
-        pre_eps,
-    )
-    return out
+    return _HEAD_PLANS.plan(input_mix, mhc_scale, mhc_base, mhc_pre_eps)(input_mix, mhc_scale, mhc_base)
 
 
-def mhc_head_compute_mix_bwd(
-    grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
+def _head_bwd_plan(grad_output, input_mix, mhc_scale, mhc_base):
+    """Check an ``mhc_head_compute_mix_bwd`` of these signatures; the plan: ``run(grad_output,
+    input_mix, mhc_scale, mhc_base) -> (dmix, dscale, dbase)``."""
     tokens, n = check_head_inputs(input_mix, mhc_scale, mhc_base)
     check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
     check_shape("grad_output", grad_output, (tokens, n))
     for name, tensor in (("grad_output", grad_output), ("input_mix", input_mix), ("mhc_scale", mhc_scale)):
         require_cuda(name, tensor)
     require_cuda("mhc_base", mhc_base)
+    device = input_mix.device
     if n == 0:
-        device = input_mix.device
-        empty = torch.empty((tokens, 0), dtype=F32, device=device)
-        return (
-            empty,
-            torch.zeros((1,), dtype=F32, device=device),  # a sum of no terms
-            torch.empty((0,), dtype=F32, device=device),
-        )
+
+        def no_streams(*tensors):
+            return (
+                torch.empty((tokens, 0), dtype=F32, device=device),
+                torch.zeros((1,), dtype=F32, device=device),  # a sum of no terms
+                torch.empty((0,), dtype=F32, device=device),
+            )
+
+        return no_streams
     # The head has only the pre group: the post and comb gradients are never read (any fp32 tensor).
     grads = (grad_output, grad_output, grad_output.unsqueeze(-1))
-    return _split_backward(grads, input_mix, mhc_scale, mhc_base, n, 1.0, head=True)
+    backward = _split_backward_plan(grads, input_mix, mhc_scale, mhc_base, n, 1.0, head=True)
+
+    def run(grad_output, input_mix, mhc_scale, mhc_base):
+        return backward((grad_output, grad_output, grad_output.unsqueeze(-1)), input_mix, mhc_scale, mhc_base)
+
+    return run
+
+
+_HEAD_BWD_PLANS = LaunchPlans(_head_bwd_plan)
+
+
+def mhc_head_compute_mix_bwd(
+    grad_output: torch.Tensor, input_mix: torch.Tensor, mhc_scale: torch.Tensor, mhc_base: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Explicit backward: ``(dmix fp32 [T, n], dscale fp32 [1], dbase fp32 [n])``, parameters summed over tokens."""
+    arguments = (grad_output, input_mix, mhc_scale, mhc_base)
+    return _HEAD_BWD_PLANS.plan(*arguments)(*arguments)
 
 
 def __getattr__(name: str):

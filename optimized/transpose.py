@@ -64,7 +64,7 @@ import torch
 
 from tileproof.reference.transpose import check_transpose_input
 
-from .jit import LaunchPlans, address, call_signature, flat_view, jit, launched, new_output, require_cuda
+from .jit import LaunchPlans, address, flat_view, jit, launched, new_output, require_cuda
 
 __all__ = ["transpose", "batched_transpose"]
 
@@ -545,17 +545,17 @@ def _transpose_plan(x: torch.Tensor, batched: bool):
     return run
 
 
-_PLANS = LaunchPlans()
+_TRANSPOSE_PLANS = LaunchPlans(_transpose_plan)
 
 
 def batched_transpose(x: torch.Tensor) -> torch.Tensor:
     """Swap the last two dimensions of a batch of matrices: ``out[b, j, i] = x[b, i, j]``; same
     contract as ``tileproof.reference.transpose.batched_transpose`` (any dtype, 16-byte complex128
     included; tails; row stride > N; free batch stride), bit for bit."""
-    return _PLANS.plan(call_signature(x, True), _transpose_plan, x, True)(x)
+    return _TRANSPOSE_PLANS.plan(x, True)(x)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """Transpose one matrix: ``out[j, i] = x[i, j]``; same contract as
     ``tileproof.reference.transpose.transpose``, bit for bit (one batch of ``batched_transpose``)."""
-    return _PLANS.plan(call_signature(x, False), _transpose_plan, x, False)(x)
+    return _TRANSPOSE_PLANS.plan(x, False)(x)

@@ -34,45 +34,46 @@ def test_views_one_row_apart_share_a_signature():
     assert tensor_signature(x[1:]) == tensor_signature(x[:-1])  # 128 bytes apart: the same alignment
 
 
-def test_plans_are_kept_per_key_and_only_outside_compile_only():
+def test_plans_are_kept_per_signature_and_only_outside_compile_only():
     made = []
 
     def make(value):
         made.append(value)
         return lambda: value
 
-    plans = LaunchPlans()
-    assert plans.plan(("a",), make, 1)() == 1
-    assert plans.plan(("a",), make, 2)() == 1  # kept: make is not called again
-    assert plans.plan(("b",), make, 3)() == 3
-    assert made == [1, 3] and len(plans) == 2
+    plans = LaunchPlans(make)
+    assert plans.plan("a")() == "a"
+    assert plans.plan("a")() == "a" and made == ["a"]  # kept: make is not called again
+    assert plans.plan(1)() == 1 and plans.plan(True)() is True  # equal values, other types
+    assert made == ["a", 1, True] and len(plans) == 3
     with compile_only():
-        assert plans.plan(("c",), make, 4)() == 4
-        assert plans.plan(("a",), make, 5)() == 5  # stand-in kernels: always planned afresh
-    assert len(plans) == 2
+        assert plans.plan("c")() == "c"
+        plans.plan("a")
+        assert made[-2:] == ["c", "a"]  # stand-in kernels: always planned afresh
+    assert len(plans) == 3
     # An unhashable argument (a list where a tuple is expected) is planned afresh, so that its
     # check can report it, and never kept.
-    assert plans.plan(([1, 2],), make, 6)() == 6
-    assert len(plans) == 2
+    assert plans.plan([1, 2])() == [1, 2]
+    assert len(plans) == 3
 
 
 def test_a_full_cache_starts_over(monkeypatch):
     monkeypatch.setattr(jit, "PLANS_PER_LAUNCHER", 3)
-    plans = LaunchPlans()
+    plans = LaunchPlans(lambda value: lambda: value)
     for value in range(3):
-        plans.plan((value,), lambda v: lambda: v, value)
+        plans.plan(value)
     assert len(plans) == 3
-    plans.plan((3,), lambda v: lambda: v, 3)
+    plans.plan(3)
     assert len(plans) == 1
 
 
 def test_a_failed_check_keeps_no_plan():
-    def make():
+    def make(x):
         raise ValueError("x must be 2-D")
 
-    plans = LaunchPlans()
+    plans = LaunchPlans(make)
     with pytest.raises(ValueError, match="2-D"):
-        plans.plan(("x",), make)
+        plans.plan(torch.zeros(3))
     assert len(plans) == 0
 
 
@@ -110,8 +111,8 @@ def test_a_plan_keeps_none_of_its_calls_tensors(monkeypatch, op, case):
     plans = []
     original = LaunchPlans.plan
 
-    def recording(self, key, make, *arguments):
-        plan = original(self, key, make, *arguments)
+    def recording(self, *arguments):
+        plan = original(self, *arguments)
         plans.append(plan)
         return plan
 

@@ -61,7 +61,6 @@ from tileproof.reference.moe import (
 from ..jit import (
     LaunchPlans,
     address,
-    call_signature,
     compiling_only,
     device_constant,
     flat_view,
@@ -216,14 +215,14 @@ def _normalize_weight_plan(topk_weights: torch.Tensor):
     return run
 
 
-_NORMALIZE_PLANS = LaunchPlans()
+_NORMALIZE_PLANS = LaunchPlans(_normalize_weight_plan)
 
 
 def normalize_weight(topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Divide each token's top-k weights by their sum (``tileproof.reference.moe.normalize_weight``,
     bit for bit): ``den`` fp32 ``[T]`` and the normalized weights fp32 ``[T, k]`` in the layout of
     an elementwise result (``torch.empty_like``: a dense input's strides, else contiguous)."""
-    plan = _NORMALIZE_PLANS.plan(call_signature(topk_weights), _normalize_weight_plan, topk_weights)
+    plan = _NORMALIZE_PLANS.plan(topk_weights)
     return plan(topk_weights)
 
 

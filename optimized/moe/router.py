@@ -67,7 +67,6 @@ from tileproof.reference.moe import (
 from ..jit import (
     LaunchPlans,
     address,
-    call_signature,
     compiling_only,
     device_constant,
     flat_view,
@@ -885,14 +884,14 @@ def _topk_gate_plan(scores: torch.Tensor, num_topk: int):
     return run
 
 
-_TOPK_PLANS = LaunchPlans()
+_TOPK_PLANS = LaunchPlans(_topk_gate_plan)
 
 
 def topk_gate(scores: torch.Tensor, num_topk: int) -> torch.Tensor:
     """Indices of each token's ``num_topk`` highest scores, best first: int64 ``[T, num_topk]``,
     bit for bit ``tileproof.reference.moe.topk_gate`` (stable descending order; ties → smaller
     index; ``-0 == +0``; NaN first)."""
-    return _TOPK_PLANS.plan(call_signature(scores, num_topk), _topk_gate_plan, scores, num_topk)(scores)
+    return _TOPK_PLANS.plan(scores, num_topk)(scores)
 
 
 def topk_sum_and_topk_group_idx(scores: torch.Tensor, num_topk_sum: int, num_topk_groups: int) -> torch.Tensor:
@@ -1080,7 +1079,7 @@ def _top2_sum_gate_plan(
     return run
 
 
-_ROUTER_PLANS = LaunchPlans()
+_ROUTER_PLANS = LaunchPlans(_top2_sum_gate_plan)
 
 
 def top2_sum_gate(
@@ -1126,5 +1125,5 @@ def top2_sum_gate(
         logical_count,
         unmapped_topk_idx,
     )
-    plan = _ROUTER_PLANS.plan(call_signature(*arguments), _top2_sum_gate_plan, *arguments)
+    plan = _ROUTER_PLANS.plan(*arguments)
     return plan(logits, bias, mask, fix_routing_mask, to_physical_map, logical_count, unmapped_topk_idx)

@@ -42,7 +42,6 @@ from tileproof.reference.contract import (
 from ..jit import (
     LaunchPlans,
     address,
-    call_signature,
     device_constant,
     flat_view,
     jit,
@@ -639,7 +638,7 @@ def _cast_plan(
     return run
 
 
-_PLANS = LaunchPlans()
+_CAST_PLANS = LaunchPlans(_cast_plan)
 
 
 def _dequantized_source(x, fmt: str, x_block_size, formats=CAST_FORMATS) -> torch.Tensor:
@@ -685,7 +684,7 @@ def per_token_cast(
         round_sf,
         use_packed_ue8m0,
     )
-    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x)
+    return _CAST_PLANS.plan(*arguments)(x)
 
 
 def per_token_cast_with_sf_only(
@@ -710,7 +709,7 @@ def per_token_cast_with_sf_only(
         round_sf,
         use_packed_ue8m0,
     )
-    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x)[1]
+    return _CAST_PLANS.plan(*arguments)(x)[1]
 
 
 def per_token_cast_with_precomputed_sf(
@@ -737,4 +736,4 @@ def per_token_cast_with_precomputed_sf(
         use_packed_ue8m0,
         sf,
     )
-    return _PLANS.plan(call_signature(*arguments), _cast_plan, *arguments)(x, sf)[0]
+    return _CAST_PLANS.plan(*arguments)(x, sf)[0]

@@ -107,7 +107,6 @@ from ..device import SHARED_MEMORY_BYTES, SM_LIMIT_ENV, sm_count
 from ..jit import (
     LaunchPlans,
     address,
-    call_signature,
     compiling_only,
     device_constant,
     flat_view,
@@ -1184,7 +1183,7 @@ def _forward_plan(
     return run
 
 
-_FORWARD_PLANS = LaunchPlans()
+_FORWARD_PLANS = LaunchPlans(_forward_plan)
 
 
 def swiglu_forward_and_per_token_cast(
@@ -1219,7 +1218,7 @@ def swiglu_forward_and_per_token_cast(
         clamped_count,
         os.environ.get(SM_LIMIT_ENV),
     )
-    plan = _FORWARD_PLANS.plan(call_signature(*arguments), _forward_plan, *arguments)
+    plan = _FORWARD_PLANS.plan(*arguments)
     return plan(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)
 
 
