@@ -1108,7 +1108,6 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
         schedule = dict(GRAD_MMA_ADDEND_LOADS_SCHEDULE)
     else:
         schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
-    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"])
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
     device = residual.device
@@ -1119,6 +1118,9 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
     _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, dsq2, eps, True, dsplit, statistics)
     if compiling_only():
         return None
+    # After the compile-only return: under outputs_only the sizes may be symbolic (torch.compile's
+    # dynamic shapes), which the memoized split search cannot hash, and no split is launched.
+    splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"])
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
     stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
     partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)

@@ -210,10 +210,13 @@ def test_a_cold_kernel_inside_a_capture_names_tileproof_precompile(monkeypatch):
 
     x = torch.randn(65, 130, device=DEVICE).to(torch.bfloat16)
     wanted = transpose(x)
-    # As in a fresh process: no configuration called yet (each factory keeps its launches).
-    for factory in vars(transpose_module).values():
-        if isinstance(factory, jit.KernelFactory):
-            monkeypatch.setattr(factory, "_launches", {})
+    # As in a fresh process: no configuration called yet (each factory keeps its launches, each
+    # launcher its plans, which hold their kernels).
+    for value in vars(transpose_module).values():
+        if isinstance(value, jit.KernelFactory):
+            monkeypatch.setattr(value, "_launches", {})
+        if isinstance(value, jit.LaunchPlans):
+            monkeypatch.setattr(value, "_plans", {})
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="`tileproof precompile`") as raised:
         with torch.cuda.graph(graph):

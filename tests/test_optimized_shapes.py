@@ -179,3 +179,52 @@ def test_outputs_only_builds_no_kernel(monkeypatch):
     with outputs_only():
         out = mhc.sinkhorn_normalize(comb, repeat=20)
     assert out.shape == (7, 4, 4) and out.device == META
+
+
+def _symbolic_fake(value, mode):
+    """``value`` with each tensor a fake CUDA tensor whose sizes are all symbolic (what
+    ``torch.compile(dynamic=True)`` traces with), strides those of a contiguous tensor of the
+    sizes or the input's own where it is not contiguous."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    if isinstance(value, torch.Tensor):
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * value.dim())
+        real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return mode.from_tensor(real, symbolic_context=context)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_symbolic_fake(item, mode) for item in value)
+    if isinstance(value, dict):
+        return {key: _symbolic_fake(item, mode) for key, item in value.items()}
+    return value
+
+
+def _dynamic_cases():
+    for op, case in ((param.values[0], param.values[1]) for param in _registered_cases()):
+        if case.label in {c.label for c in op.cases("quick")[:3]}:
+            yield pytest.param(op, case, id=case.label)
+
+
+@pytest.mark.parametrize("op,case", list(_dynamic_cases()))
+def test_custom_ops_propagate_symbolic_sizes(op, case):
+    """The fake implementations with every size symbolic (``torch.compile(dynamic=True)``, opcheck's
+    ``test_aot_dispatch_dynamic``): they may guard on sizes, but must not need them as Python ints
+    (a memoized schedule keyed by a size cannot hash a SymInt); outputs of the reference's dtypes
+    and ranks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    call = op.build(case, CPU, None)
+    args, kwargs = _custom_op_arguments(op.name, _symbolic_fake(call.args, mode), _symbolic_fake(call.kwargs, mode))
+    with mode:
+        output = getattr(torch.ops.tileproof, op.name)(*args, **kwargs)
+    if not _schema(op.name).returns:
+        assert output is None
+        return
+    generator = torch.Generator().manual_seed(registry.case_seed(0, case.label))
+    wanted = _as_custom_op_result(op.name, op.build(case, CPU, generator)(op.reference()))
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    wanted = wanted if isinstance(wanted, (tuple, list)) else (wanted,)
+    for index, (part, wanted_part) in enumerate(zip(outputs, wanted, strict=False)):
+        if isinstance(wanted_part, torch.Tensor):
+            assert (part.dtype, part.dim()) == (wanted_part.dtype, wanted_part.dim()), f"result[{index}]"

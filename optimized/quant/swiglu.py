@@ -112,6 +112,7 @@ from ..jit import (
     flat_view,
     jit,
     new_output,
+    outputs_only_active,
     require_cuda,
 )
 from .common import float_bits_abs, scale_and_multiplier, ue8m0_byte
@@ -1005,7 +1006,9 @@ def _launch_plan(
     ``launch(x, q, sf, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)`` (a no-op
     while compiling only or for zero rows)."""
     rows = x.shape[0]
-    if rows == 0:
+    if rows == 0 or outputs_only_active():
+        # Under outputs_only nothing is built or launched, and the sizes may be symbolic
+        # (torch.compile's dynamic shapes), which the memoized schedule cannot hash.
         return lambda *tensors: None
     vector = _vector_width(x, hidden)
     store_vector = _store_width(hidden, CHUNK)
