@@ -389,7 +389,10 @@ class LaunchPlans:
     function reads, so a new signature runs every check, and a plan is only ever reused by calls
     that would pass the same checks and make the same decisions. While compiling only (stand-in
     kernels, fake tensors) plans are made afresh and never kept; an unhashable argument (a list
-    where a tuple is expected) is planned afresh too, so that its check reports it."""
+    where a tuple is expected) is planned afresh too, so that its check reports it. Module state the
+    plan function reads is frozen into the plan: a schedule that a sweep replaces between calls is
+    passed as an argument (the SwiGLU forward passes its ``FORWARD_SCHEDULE`` entry, the grid-sized
+    launchers ``TILEPROOF_SM_LIMIT``), or the sweep calls ``clear()``."""
 
     __slots__ = ("_make", "_plans")
 

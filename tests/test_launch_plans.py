@@ -155,3 +155,27 @@ def test_views_of_other_alignments_get_their_own_plans():
         q_ref, sf_ref = reference(x.cpu(), "e4m3", 128)
         assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8)), offset
         assert torch.equal(sf.cpu(), sf_ref), offset
+
+
+def test_a_swept_schedule_gets_new_plans(monkeypatch):
+    """The SwiGLU forward's schedule is read at each call (a sweep replaces ``FORWARD_SCHEDULE``'s
+    entry between calls): it is part of the plan's key, so the next call launches the new schedule."""
+    from tileproof.optimized.quant import swiglu
+
+    launched_with = []
+
+    def factory(*static, **options):
+        launched_with.append(static)
+        return lambda *arguments: None
+
+    monkeypatch.setattr(swiglu, "swiglu_per_token_kernel", factory)
+    monkeypatch.setattr(swiglu, "require_cuda", lambda name, tensor: None)
+    monkeypatch.setattr(swiglu._FORWARD_PLANS, "_plans", {})  # CPU plans with a stand-in kernel: this test's only
+    x = torch.randn(64, 2 * 256).to(torch.bfloat16)
+    swiglu.swiglu_forward_and_per_token_cast(x, "e4m3", 128)
+    swiglu.swiglu_forward_and_per_token_cast(x, "e4m3", 128)
+    assert len(launched_with) == 1  # the second call ran the kept plan
+    committed = swiglu.FORWARD_SCHEDULE[torch.bfloat16]
+    monkeypatch.setitem(swiglu.FORWARD_SCHEDULE, torch.bfloat16, committed._replace(threads=512))
+    swiglu.swiglu_forward_and_per_token_cast(x, "e4m3", 128)
+    assert len(launched_with) == 2 and launched_with[1][-1] == 512 and launched_with[0][-1] == committed.threads

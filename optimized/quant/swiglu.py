@@ -879,7 +879,7 @@ def _store_width(hidden: int, chunk: int) -> int:
 
 
 class _Plan(NamedTuple):
-    """One call's row groups and schedule (``_plan``)."""
+    """One call's row groups and schedule (``_fitted_plan``)."""
 
     threads: int
     threads_per_row: int
@@ -887,11 +887,6 @@ class _Plan(NamedTuple):
     part_shift: int  # a row is 2^part_shift tasks
     stages: int
     staging: str
-
-
-def _plan(hidden: int, row_scales: bool, dtype: torch.dtype, vector: int) -> _Plan:
-    """``_fitted_plan`` for the current ``FORWARD_SCHEDULE`` (memoized: it runs on every call)."""
-    return _fitted_plan(hidden, row_scales, dtype, vector, FORWARD_SCHEDULE[dtype])
 
 
 @functools.lru_cache(maxsize=256)
@@ -1000,6 +995,7 @@ def _launch_plan(
     topk_weights: torch.Tensor | None = None,
     pos_to_expert: torch.Tensor | None = None,
     clamped_count: torch.Tensor | None = None,
+    schedule: ForwardSchedule | None = None,
 ):
     """Compile (or fetch) the kernel for calls of these signatures (checked by the caller; q of
     ``q_dtype`` contiguous, sf with ``sf_strides`` or None) and decide the launch:
@@ -1014,7 +1010,7 @@ def _launch_plan(
     store_vector = _store_width(hidden, CHUNK)
     # One scale per row of at most 128 values is the single (partial) 1×128 block of the row.
     row_scales = fmt_name != ACTIVATION_ONLY and num_per_channels == hidden and hidden > FORWARD_CHANNEL_BLOCK
-    plan = _plan(hidden, row_scales, x.dtype, vector)
+    plan = _fitted_plan(hidden, row_scales, x.dtype, vector, schedule or FORWARD_SCHEDULE[x.dtype])
     clamp = clamp_value is not None
     kernel = swiglu_per_token_kernel(
         _TL_DTYPES[x.dtype],
@@ -1139,10 +1135,12 @@ def _forward_plan(
     swiglu_clamp_value,
     clamped_count,
     sm_limit_setting,
+    schedule,
 ):
     """Check a ``swiglu_forward_and_per_token_cast`` of these signatures and decide its launch
-    (``sm_limit_setting``: the grid depends on the SM count). The plan: ``run(x, pos_to_token_topk,
-    topk_weights, pos_to_expert, clamped_count) -> (q, sf)``."""
+    (``sm_limit_setting``: the grid depends on the SM count; ``schedule``: ``FORWARD_SCHEDULE``'s entry
+    for x's dtype when the call was made, so that a sweep that replaces it gets new plans). The plan:
+    ``run(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count) -> (q, sf)``."""
     flags = (round_sf, use_packed_ue8m0, use_tma_aligned_col_major_sf)
     spec, hidden, round_sf, clamp_value = _check_forward_arguments(
         x,
@@ -1175,6 +1173,7 @@ def _forward_plan(
         topk_weights=topk_weights,
         pos_to_expert=pos_to_expert,
         clamped_count=clamped_count,
+        schedule=schedule,
     )
 
     def run(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count):
@@ -1220,6 +1219,7 @@ def swiglu_forward_and_per_token_cast(
         swiglu_clamp_value,
         clamped_count,
         os.environ.get(SM_LIMIT_ENV),
+        FORWARD_SCHEDULE.get(getattr(x, "dtype", None)),
     )
     plan = _FORWARD_PLANS.plan(*arguments)
     return plan(x, pos_to_token_topk, topk_weights, pos_to_expert, clamped_count)
