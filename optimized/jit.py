@@ -370,10 +370,19 @@ def tensor_signature(tensor: torch.Tensor) -> tuple:
 
 def call_signature(*arguments) -> tuple:
     """A launch-plan key: each tensor argument by ``tensor_signature``, every other argument by its
-    type and value (1, 1.0 and True are equal in Python, but the argument checks tell them apart).
+    type and value (1, 1.0 and True are equal in Python, but the argument checks tell them apart), a
+    float by its exact bits (-0.0 == 0.0 in Python, but ``rsqrt(0 + eps)`` tells them apart).
     Tensors inside containers are not allowed (a key would hold them alive): launchers take those
     apart first."""
-    return tuple([tensor_signature(a) if isinstance(a, torch.Tensor) else (a.__class__, a) for a in arguments])
+    return tuple([_argument_signature(a) for a in arguments])
+
+
+def _argument_signature(argument) -> tuple:
+    if isinstance(argument, torch.Tensor):
+        return tensor_signature(argument)
+    if argument.__class__ is float:
+        return (float, argument.hex())
+    return (argument.__class__, argument)
 
 
 class LaunchPlans:

@@ -26,6 +26,8 @@ def test_signature_tells_apart_what_a_launcher_reads():
     assert tensor_signature(x.view(-1)[1:33]) != tensor_signature(x.view(-1)[4:36])  # 4 bytes against 16 off
     # Equal in Python, told apart by the argument checks: a key holds each value's type.
     assert len({call_signature(value) for value in (True, 1, 1.0)}) == 3
+    assert call_signature(-0.0) != call_signature(0.0)  # rsqrt(0 + eps) tells them apart
+    assert call_signature(1e-6) == call_signature(float("1e-6"))
     assert call_signature(x, None, "e4m3") == call_signature(torch.empty(64, 32), None, "e4m3")
 
 
