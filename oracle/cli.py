@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from . import runner, sanitize
+from . import launches, runner, sanitize
 from .registry import PROFILES, Case, all_ops, select_cases
 from .timing import copy_roof_gbps
 
@@ -224,6 +224,7 @@ def _build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, 
         help="without a GPU: keep the built kernels in the cache, for a GPU of the compile target",
     )
     sanitize.add_parser(commands)
+    launches.add_parser(commands)
     return parser, oracle, mutate
 
 
@@ -320,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _precompile(args)
     if args.command == "sanitize":
         return sanitize.main_from_args(args)
+    if args.command == "launches":
+        return launches.main_from_args(args)
     try:
         cases = select(args)
         copy_roof_gbps()  # a malformed TILEPROOF_COPY_ROOF_GBPS is a usage error, found before the run
