@@ -27,7 +27,6 @@ import contextlib
 import importlib
 import pkgutil
 import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -199,34 +198,6 @@ def run_recorded(fn: Callable, op: OpSpec, case, package: str) -> Outcome:
     return Outcome(launches, None if error else describe.result(returned), error)
 
 
-def base_function(current: Callable, op: OpSpec, base: runner.Twin) -> Callable | None:
-    """The base revision's counterpart of the working tree's twin function ``current``: the same
-    launcher there, the same layer driver over its layers, or the same oracle harness (a closure
-    around a launcher, e.g. a copy of an in-place argument) around its launcher."""
-    from .modeling import LayerDriver
-
-    package = _package_of(base)
-    if isinstance(current, LayerDriver):
-        return LayerDriver(op, importlib.import_module(f"{package}.modeling"))
-    module = getattr(current, "__module__", "") or ""
-    if module.startswith("tileproof.optimized."):
-        found = importlib.import_module(package + module.removeprefix("tileproof.optimized"))
-        return getattr(found, current.__name__, None)
-    if isinstance(current, types.FunctionType) and current.__closure__:
-        cells = []
-        for cell in current.__closure__:
-            value = cell.cell_contents
-            if callable(value) and (getattr(value, "__module__", "") or "").startswith("tileproof.optimized."):
-                value = base_function(value, op, base)
-            cells.append(types.CellType(value))
-        twin = types.FunctionType(
-            current.__code__, current.__globals__, current.__name__, current.__defaults__, tuple(cells)
-        )
-        twin.__kwdefaults__ = current.__kwdefaults__
-        return twin
-    return runner.twin_function(base, op)[0]
-
-
 @dataclass
 class Difference:
     label: str
@@ -241,10 +212,9 @@ def compare(base: str, profile: str = "quick", ops: list[str] | None = None, pat
     cases = select_cases(profile, ops, patterns)
     for case in cases:
         op: OpSpec = get_op(case.op)
-        current, error = runner.twin_function(twins[0], op)
-        functions = (current, None if current is None else base_function(current, op, twins[1]))
         outcomes = []
-        for twin, fn in zip(twins, functions, strict=True):
+        for twin in twins:
+            fn, error = runner.twin_function(twin, op)
             if fn is None:
                 outcomes.append(Outcome([], None, error or "no such operator"))
                 continue

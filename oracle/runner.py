@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -158,26 +159,50 @@ def base_twin(revision: str) -> Twin:
         sys.path.insert(0, str(folder))
         importlib.invalidate_caches()
 
+    def base_module(name: str):
+        """The base's module of ``tileproof.optimized`` path ``name``, or None where it has none."""
+        module = alias + name.removeprefix("tileproof.optimized")
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name and module.startswith(error.name):
+                return None  # that module does not exist at the base revision
+            raise
+
+    def counterpart(function: Callable) -> Callable | None:
+        """The base's function of the same module path and name (None where it has none)."""
+        found = base_module(function.__module__)
+        return None if found is None else getattr(found, function.__name__, None)
+
     def lookup(op: OpSpec) -> Callable | None:
-        # Where the working tree's twin lives (same module path in the older tree), else the
-        # family's package, which is where the conventions put it.
-        candidates = []
         try:
             current = op.optimized()
         except Exception:
             current = None
+        # The working tree's twin mirrored: a layer driver over the base's layers, or an oracle
+        # harness around launchers (a copy of an in-place argument, ...) around the base's.
+        from .modeling import LayerDriver
+
+        if isinstance(current, LayerDriver):
+            layers = base_module("tileproof.optimized.modeling")
+            if layers is None or not all(hasattr(layers, name) for name in op.layers):
+                return None
+            return LayerDriver(op, layers)
+        harness = _harness_around(current, counterpart)
+        if harness is not None:
+            return harness
+        # The working tree's twin at the same module path and name in the older tree (an operator
+        # may share another's launcher: per_token_cast_e5m6 is per_token_cast), else a function
+        # named like the operator there or in the family's package, where the conventions put it.
         module = getattr(current, "__module__", "") or ""
         if module.startswith("tileproof.optimized."):
-            candidates.append(alias + module.removeprefix("tileproof.optimized"))
-        candidates.append(f"{alias}.{op.family}")
-        for candidate in candidates:
-            try:
-                found = importlib.import_module(candidate)
-            except ModuleNotFoundError as error:
-                if error.name and candidate.startswith(error.name):
-                    continue  # that module does not exist at the base revision
-                raise
-            if hasattr(found, op.name):
+            found = counterpart(current)
+            if found is not None:
+                return found
+        candidates = [module] if module.startswith("tileproof.optimized.") else []
+        for candidate in [*candidates, f"tileproof.optimized.{op.family}"]:
+            found = base_module(candidate)
+            if found is not None and hasattr(found, op.name):
                 return getattr(found, op.name)
         return None
 
@@ -188,6 +213,29 @@ def base_twin(revision: str) -> Twin:
         jit_module=f"{alias}.jit",
         cli_args=("--base", revision),
     )
+
+
+def _harness_around(function, counterpart: Callable[[Callable], Callable | None]) -> Callable | None:
+    """``function``, an oracle closure around launchers of ``tileproof.optimized``, rebuilt around
+    ``counterpart(launcher)`` of each; None when ``function`` is not such a closure (or a launcher
+    has no counterpart)."""
+    if not isinstance(function, types.FunctionType) or function.__module__.startswith("tileproof.optimized"):
+        return None
+    cells, replaced = [], False
+    for cell in function.__closure__ or ():
+        value = cell.cell_contents
+        if callable(value) and (getattr(value, "__module__", "") or "").startswith("tileproof.optimized."):
+            value, replaced = counterpart(value), True
+            if value is None:
+                return None
+        cells.append(types.CellType(value))
+    if not replaced:
+        return None
+    harness = types.FunctionType(
+        function.__code__, function.__globals__, function.__name__, function.__defaults__, tuple(cells)
+    )
+    harness.__kwdefaults__ = function.__kwdefaults__
+    return harness
 
 
 def twin_function(twin: Twin, op: OpSpec) -> tuple[Callable | None, str | None]:

@@ -965,3 +965,21 @@ def test_precompile_command(monkeypatch, capsys):
     monkeypatch.setattr(runner, "compile_all", lambda *args, **kwargs: [failure])
     assert cli.main(["precompile", "--op", "topk_gate"]) == 1
     assert "FAIL topk_gate/x: RuntimeError: nvcc says no" in capsys.readouterr().out
+
+
+def test_base_revision_mirrors_oracle_harnesses_and_layer_drivers():
+    """An operator the oracle runs through a harness (top2_sum_gate: a copy of its in-place buffer)
+    or a layer driver gets the same harness or driver over the base revision's code."""
+    if not (runner.REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    from tileproof.oracle.modeling import LayerDriver
+
+    twin = runner.base_twin("HEAD")
+    package = twin.jit_module.removesuffix(".jit")
+    current = registry.get_op("top2_sum_gate").optimized()
+    harness = twin.lookup(registry.get_op("top2_sum_gate"))
+    assert harness.__code__ is current.__code__
+    launchers = [cell.cell_contents for cell in harness.__closure__ if callable(cell.cell_contents)]
+    assert launchers and all(launcher.__module__.startswith(package + ".") for launcher in launchers)
+    driver = twin.lookup(registry.get_op("engram_gate_layer"))
+    assert isinstance(driver, LayerDriver) and driver.layers.__name__ == f"{package}.modeling"

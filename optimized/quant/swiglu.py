@@ -1114,12 +1114,9 @@ def _launch_plan(
 def _launch(x, hidden, fmt_name, num_per_channels, q, sf, **options) -> None:
     """Plan and launch once (``_launch_plan`` for a call that keeps no plan)."""
     sf_strides = None if sf is None else sf.stride()
-    tensors = {name: options.get(name) for name in _OPTIONAL_TENSORS}
     launch = _launch_plan(x, hidden, fmt_name, num_per_channels, q.dtype, sf_strides, **options)
-    launch(x, q, sf, *tensors.values())
-
-
-_OPTIONAL_TENSORS = ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count")
+    optional = ("pos_to_token_topk", "topk_weights", "pos_to_expert", "clamped_count")
+    launch(x, q, sf, *(options.get(name) for name in optional))
 
 
 def _forward_plan(
