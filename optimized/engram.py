@@ -28,6 +28,10 @@ Kernel design (everything here is memory-bound):
   that sum (n = 4: every D up to 7168), they are copied there once (the streamed rows would evict them
   from L1 at every token); otherwise they are read from L1 / L2 and the next token's grad_out and
   v are prefetched into registers (``load_token_rows``, the forward's per-token loads).
+  Where two tokens' rows fit in shared memory (16-byte vectors, n ≤ 4, D ≤ 4096 at n = 4),
+  ``gate_bwd_bulk_kernel`` takes over: thread 0 brings each token's rows in with bulk copies one
+  token ahead (mbarrier-completed), every thread reads them from shared memory, and w and the
+  block's sum stay in registers; same arithmetic in the same order.
 - ``grad_w_reduce``: elementwise over ``[n, D]``, read as one row of ``n·D`` elements when the
   rows are back to back (16-byte vectors at any D, n = 4). A CTA per 32 column vectors; its 8 warps
   sum interleaved eighths of the P partials (4 loads in flight per thread), then warp 0 adds the 8
@@ -41,6 +45,7 @@ reference's rule for the gate; for ``fused_weight`` and ``grad_w_reduce`` this t
 parameter tables are made contiguous first (a no-op for the usual layouts).
 """
 
+import tilelang
 import tilelang.language as T
 import torch
 
@@ -932,6 +937,280 @@ def gate_bwd_kernel(
     return kernel
 
 
+BULK_VECTOR = 8  # bulk copies move whole 16-byte-aligned rows: bf16 vectors of 8
+
+
+# Rows up to this many 16-byte columns take the bulk-copy backward. T 8192, n 4, P 132 on the H200,
+# against the register kernel, bit for bit the same outputs: D 1024 172.5 → 122.6 µs, 1280
+# 180.1 → 136.8, 2048 217.2 → 192.9, 2560 (320 columns) 249.2 → 240.4; but D 4096 (512 columns)
+# 381.4 → 390.5, T 4001 191.8 → 196.9 (docs/performance.md, "A twelfth look").
+GATE_BWD_BULK_MAX_COLUMNS = 320
+
+
+def gate_bwd_bulk_threads(streams: int, hidden: int, vector: int) -> int:
+    """The CTA size of ``gate_bwd_bulk_kernel`` for this row (one 16-byte column per thread, whole
+    warps), or 0 where it does not apply: vectors narrower than 16 bytes (rows or strides not
+    16-byte aligned: bulk copies need that), rows of more than ``GATE_BWD_BULK_MAX_COLUMNS``
+    columns (slower there), more than 4 streams (w and the block's sum take 16·n registers per
+    thread), or two stages that do not fit in shared memory."""
+    columns = hidden // vector
+    if vector != BULK_VECTOR or columns > GATE_BWD_BULK_MAX_COLUMNS or streams > 4:
+        return 0
+    threads = 32 * ceil_div(columns, 32)
+    return threads if gate_bwd_bulk_shared_bytes(streams, threads) <= SHARED_MEMORY_BYTES else 0
+
+
+def gate_bwd_bulk_shared_bytes(streams: int, threads: int) -> int:
+    """Shared memory of ``gate_bwd_bulk_kernel``: two stages of one token's rows (grad_out, x, k:
+    ``n`` rows each, and v) of ``threads · 8`` bf16, the dg exchange slots and two mbarriers."""
+    stage_elements = (3 * streams + 1) * threads * BULK_VECTOR
+    exchange_floats = 8 * ceil_div(2 * (threads // 32) * streams, 8)
+    return 2 * 2 * stage_elements + 4 * exchange_floats + 16
+
+
+# Barriers by hand: TileLang's planner sees the bulk copies write the stages and would put two more
+# __syncthreads() per token around them; the mbarriers and the dg barrier already order every access.
+@jit(solver={"smt.bv.solver": "2"}, pass_configs={tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
+def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True):
+    """``gate_bwd_kernel`` with each token's rows brought into shared memory by bulk copies
+    (``cp.async.bulk``, completing on an mbarrier) one token ahead, so that no thread issues a
+    global load in the token loop and a token's loads never wait for the previous token's stores.
+    One 16-byte column per thread (``threads · 8 ≥ D``); w and the block's Σ β·x⊙k live in
+    registers (32 fp32 each at n = 4), since the two stages take the shared memory (130 KB at n 4,
+    D 2560).
+
+    Same arithmetic as ``gate_bwd_kernel(streams, 8, threads, 1)`` in the same order (the sums,
+    the lanes' statistics, the token-ordered Σ β·x⊙k), so the same bits. At the start of token t
+    thread 0 refills the other stage with token t + 1's ``3n + 1`` rows as soon as every thread has
+    arrived on ``released`` for token t − 1 (it has read its last row of that stage): a token of
+    lead. (Refilling after token t's dg barrier instead, where every thread is known done, measured
+    up to 5 % slower at D ≤ 1280 and within 1 % elsewhere.)"""
+    vector = BULK_VECTOR
+    warps = threads // 32
+    steps = halving_steps(streams)
+    padded_streams = 1 << steps
+    row = threads * vector  # elements of a staged row: the widest D this CTA shape serves
+    go_offset, x_offset, k_offset, v_offset = 0, streams * row, 2 * streams * row, 3 * streams * row
+    stage_elements = (3 * streams + 1) * row
+    exchange_floats = 8 * ceil_div(2 * warps * streams, 8)
+
+    go_span = T.dynamic("go_span")
+    x_span = T.dynamic("x_span")
+    k_span = T.dynamic("k_span")
+    v_span = T.dynamic("v_span")
+    w_span = T.dynamic("w_span")
+    stats_span = T.dynamic("stats_span")
+    dx_span = T.dynamic("dx_span")
+    dk_span = T.dynamic("dk_span")
+    dv_span = T.dynamic("dv_span")
+    dw_span = T.dynamic("dw_span")
+
+    @T.macro
+    def bulk_copy(stages, stage_offset, source, source_offset, row_bytes, full, stage):
+        # TileLang's own 1D bulk-copy intrinsic (what T.copy lowers a contiguous load to), with a
+        # runtime length: T.copy would need the row length at compile time.
+        T.tma_load(stages.access_ptr("w", offset=stage_offset), source.access_ptr("r", offset=source_offset), full[stage], row_bytes, 0)
+
+    @T.macro
+    def issue(stages, full, grad_out, x, k, v, token, stage, row_bytes, token_bytes, strides):
+        """Token ``token``'s rows → stage ``stage``, completing on ``full[stage]`` (thread 0 only)."""
+        go_token_stride, go_stream_stride, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride, v_token_stride = strides
+        base = stage * stage_elements
+        go_row = T.cast(token, "int64") * go_token_stride
+        x_row = T.cast(token, "int64") * x_token_stride
+        k_row = T.cast(token, "int64") * k_token_stride
+        T.mbarrier_arrive_expect_tx(full[stage], token_bytes)
+        for m in T.unroll(streams):
+            bulk_copy(stages, base + go_offset + m * row, grad_out, (go_row + m * go_stream_stride) * vector, row_bytes, full, stage)
+            bulk_copy(stages, base + x_offset + m * row, x, (x_row + m * x_stream_stride) * vector, row_bytes, full, stage)
+            bulk_copy(stages, base + k_offset + m * row, k, (k_row + m * k_stream_stride) * vector, row_bytes, full, stage)
+        bulk_copy(stages, base + v_offset, v, T.cast(token, "int64") * v_token_stride * vector, row_bytes, full, stage)
+
+    @T.macro
+    def load_statistics(dot, gate, rstd_x, rstd_k, token, lane, gates_into, lane_into):
+        """Token ``token``'s gates (every stream) and the statistics of stream ``lane % n``."""
+        for m in T.unroll(streams):
+            gates_into[m] = gate[token * streams + m]
+        lane_into[0] = dot[token * streams + lane % streams]
+        lane_into[1] = rstd_x[token * streams + lane % streams]
+        lane_into[2] = rstd_k[token * streams + lane % streams]
+        lane_into[3] = gate[token * streams + lane % streams]
+
+    @T.prim_func
+    def kernel(
+        grad_out: T.Tensor((go_span,), "bfloat16"),
+        x: T.Tensor((x_span,), "bfloat16"),
+        k: T.Tensor((k_span,), "bfloat16"),
+        v: T.Tensor((v_span,), "bfloat16"),
+        w: T.Tensor((w_span,), "float32"),
+        dot: T.Tensor((stats_span,), "float32"),
+        gate: T.Tensor((stats_span,), "float32"),
+        rstd_x: T.Tensor((stats_span,), "float32"),
+        rstd_k: T.Tensor((stats_span,), "float32"),
+        dx: T.Tensor((dx_span,), "bfloat16"),
+        dk: T.Tensor((dk_span,), "bfloat16"),
+        dv: T.Tensor((dv_span,), "bfloat16"),
+        dw_partial: T.Tensor((dw_span,), "float32"),
+        num_tokens: T.int32,
+        num_blocks: T.int32,
+        block_tokens: T.int32,
+        hidden_vectors: T.int32,
+        go_token_stride: T.int32,
+        go_stream_stride: T.int32,
+        x_token_stride: T.int32,
+        x_stream_stride: T.int32,
+        k_token_stride: T.int32,
+        k_stream_stride: T.int32,
+        v_token_stride: T.int32,
+        w_stream_stride: T.int32,
+        dk_token_stride: T.int32,
+        dv_token_stride: T.int32,
+        hidden: T.float32,
+        scale: T.float32,
+        clamp_value: T.float32,
+    ):
+        with T.Kernel(num_blocks, threads=threads) as (block,):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            stages = T.alloc_shared((2 * stage_elements,), "bfloat16")
+            exchange = T.alloc_shared((exchange_floats,), "float32")
+            full = T.alloc_barrier([1, 1])
+            # Each thread arrives once it has read its last row of a token's stage.
+            released = T.alloc_barrier([threads, threads])
+            ws = T.alloc_local((streams, vector), "float32")
+            accumulators = T.alloc_local((streams, vector), "float32")
+            go_values = T.alloc_local((vector,), "bfloat16")
+            x_values = T.alloc_local((vector,), "bfloat16")
+            k_values = T.alloc_local((vector,), "bfloat16")
+            v_values = T.alloc_local((vector,), "bfloat16")
+            sums = T.alloc_local((padded_streams,), "float32")
+            total = T.alloc_local((1,), "float32")
+            gates = T.alloc_local((streams,), "float32")
+            next_gates = T.alloc_local((streams,), "float32")
+            betas = T.alloc_local((streams,), "float32")
+            lane_statistics = T.alloc_local((4,), "float32")
+            next_lane_statistics = T.alloc_local((4,), "float32")
+            lane_results = T.alloc_local((3,), "float32")
+            x_coefficients = T.alloc_local((streams,), "float32")
+            k_coefficients = T.alloc_local((streams,), "float32")
+            dv_values = T.alloc_local((vector,), "float32")
+
+            column = tx
+            row_bytes = hidden_vectors * (vector * 2)
+            token_bytes = row_bytes * (3 * streams + 1)
+            first = T.min(block * block_tokens, num_tokens)
+            last = T.min(first + block_tokens, num_tokens)
+
+            strides = (go_token_stride, go_stream_stride, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride, v_token_stride)
+            if tx == 0:
+                if first < last:
+                    issue(stages, full, grad_out, x, k, v, first, 0, row_bytes, token_bytes, strides)
+                if first + 1 < last:
+                    issue(stages, full, grad_out, x, k, v, first + 1, 1, row_bytes, token_bytes, strides)
+            for m in T.unroll(streams):
+                for e in T.unroll(vector):
+                    ws[m, e] = T.float32(0)
+                    accumulators[m, e] = T.float32(0)
+            if column < hidden_vectors:
+                for m in T.unroll(streams):
+                    for e in T.vectorized(vector):
+                        ws[m, e] = w[(m * w_stream_stride + column) * vector + e]
+            if first < last:
+                load_statistics(dot, gate, rstd_x, rstd_k, first, lane, next_gates, next_lane_statistics)
+
+            for token in T.serial(first, last):
+                local = token - first
+                stage = local % 2
+                base = stage * stage_elements
+                for m in T.unroll(streams):
+                    gates[m] = next_gates[m]
+                for s in T.unroll(4):
+                    lane_statistics[s] = next_lane_statistics[s]
+                # The statistics come from global memory: the next token's are loaded a token ahead.
+                if token + 1 < last:
+                    load_statistics(dot, gate, rstd_x, rstd_k, token + 1, lane, next_gates, next_lane_statistics)
+                T.mbarrier_wait_parity(full[stage], (local // 2) % 2)
+                if tx == 0 and local >= 1 and token + 1 < last:
+                    # The previous token's stage, as soon as every thread has read it: a token of lead.
+                    T.mbarrier_wait_parity(released[1 - stage], ((local - 1) // 2) % 2)
+                    issue(stages, full, grad_out, x, k, v, token + 1, 1 - stage, row_bytes, token_bytes, strides)
+
+                out_row = T.cast(token, "int64") * streams * hidden_vectors
+                dk_row = T.cast(token, "int64") * (streams * hidden_vectors if packed_outputs else dk_token_stride)
+                dv_row = T.cast(token, "int64") * (hidden_vectors if packed_outputs else dv_token_stride)
+                for m in T.unroll(padded_streams):
+                    sums[m] = T.float32(0)
+                if column < hidden_vectors:
+                    for e in T.vectorized(vector):
+                        v_values[e] = stages[base + v_offset + column * vector + e]
+                    for m in T.unroll(streams):
+                        for e in T.vectorized(vector):
+                            go_values[e] = stages[base + go_offset + m * row + column * vector + e]
+                        for e in T.unroll(vector):
+                            if m == 0:
+                                dv_values[e] = gates[0] * _as_float(go_values[e])
+                            else:
+                                dv_values[e] = dv_values[e] + gates[m] * _as_float(go_values[e])
+                            sums[m] = sums[m] + _as_float(go_values[e]) * _as_float(v_values[e])
+                    for e in T.vectorized(vector):
+                        dv[(dv_row + column) * vector + e] = T.cast(dv_values[e], "bfloat16")
+                cta_stream_totals(sums, total, exchange, local % 2, streams, steps, lane, warp, warps)
+
+                dot_value = lane_statistics[0]
+                rx = lane_statistics[1]
+                rk = lane_statistics[2]
+                lane_gate = lane_statistics[3]
+                norms = rx * rk * scale
+                clamped = T.abs(dot_value) * norms < clamp_value
+                safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+                slope = total[0] * lane_gate * (T.float32(1) - lane_gate) * T.float32(0.5)
+                lane_results[0] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+                lane_results[1] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+                lane_results[2] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+                for m in T.unroll(streams):
+                    betas[m] = T.shfl_sync(lane_results[0], m)
+                    x_coefficients[m] = T.shfl_sync(lane_results[1], m)
+                    k_coefficients[m] = T.shfl_sync(lane_results[2], m)
+
+                if column < hidden_vectors:
+                    for m in T.unroll(streams):
+                        for e in T.vectorized(vector):
+                            go_values[e] = stages[base + go_offset + m * row + column * vector + e]
+                        for e in T.vectorized(vector):
+                            x_values[e] = stages[base + x_offset + m * row + column * vector + e]
+                        for e in T.vectorized(vector):
+                            k_values[e] = stages[base + k_offset + m * row + column * vector + e]
+                        dx_offset = (out_row + m * hidden_vectors + column) * vector
+                        for e in T.vectorized(vector):
+                            dx[dx_offset + e] = T.cast(
+                                _as_float(go_values[e])
+                                + betas[m]
+                                * (ws[m, e] * _as_float(k_values[e]) - x_coefficients[m] * _as_float(x_values[e])),
+                                "bfloat16",
+                            )
+                        dk_offset = dx_offset if packed_outputs else (dk_row + m * hidden_vectors + column) * vector
+                        for e in T.vectorized(vector):
+                            dk[dk_offset + e] = T.cast(
+                                betas[m]
+                                * (ws[m, e] * _as_float(x_values[e]) - k_coefficients[m] * _as_float(k_values[e])),
+                                "bfloat16",
+                            )
+                        for e in T.unroll(vector):
+                            accumulators[m, e] = accumulators[m, e] + betas[m] * _as_float(x_values[e]) * _as_float(
+                                k_values[e]
+                            )
+                T.mbarrier_arrive(released[stage])
+
+            if column < hidden_vectors:
+                dw_row = T.cast(block, "int64") * streams * hidden_vectors
+                for m in T.unroll(streams):
+                    for e in T.vectorized(vector):
+                        dw_partial[(dw_row + m * hidden_vectors + column) * vector + e] = accumulators[m, e]
+
+    return kernel
+
+
 def _gate_bwd_plan(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value, num_partials, grad_kv):
     """Check an ``engram_gate_bwd`` of these signatures and decide its launch; the plan:
     ``run(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, grad_kv) -> (dx, dk, dv, dw_partial)``."""
@@ -964,20 +1243,24 @@ def _gate_bwd_plan(grad_out, x, k, v, w, dot, gate, rstd_x, rstd_k, clamp_value,
     else:
         dk, dv = _kv_gradients(grad_kv, streams, hidden)
     vector = _vector_width(hidden, 8, (grad_out, x, k, v, w, dk, dv))
-    threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
-    shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
-    weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
-    # With w in shared memory the next token's rows are better loaded in turn than prefetched (387.3
-    # against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
-    kernel = gate_bwd_kernel(
-        streams,
-        vector,
-        threads,
-        columns_per_thread,
-        prefetch=not weights_in_shared,
-        weights_in_shared=weights_in_shared,
-        packed_outputs=grad_kv is None,
-    )
+    bulk_threads = gate_bwd_bulk_threads(streams, hidden, vector)
+    if bulk_threads:
+        kernel = gate_bwd_bulk_kernel(streams, bulk_threads, packed_outputs=grad_kv is None)
+    else:
+        threads, columns_per_thread = gate_bwd_schedule(hidden, vector)
+        shared_floats = gate_bwd_shared_floats(streams, vector, threads, columns_per_thread, weights_in_shared=True)
+        weights_in_shared = 4 * sum(shared_floats) <= SHARED_MEMORY_BYTES
+        # With w in shared memory the next token's rows are better loaded in turn than prefetched
+        # (387.3 against 388.5 µs at T 8192, n 4, D 4096, P 132, H200; the prefetch's 40 registers).
+        kernel = gate_bwd_kernel(
+            streams,
+            vector,
+            threads,
+            columns_per_thread,
+            prefetch=not weights_in_shared,
+            weights_in_shared=weights_in_shared,
+            packed_outputs=grad_kv is None,
+        )
     kernel = launched(kernel)
     scalars = (
         tokens,

@@ -414,6 +414,10 @@ GATE_SHAPES = {
         (4001, 4096, "fused", 132, True, 0.3),
         (4001, 4096, "kvgrad", 132, True, CLAMP),
         (8192, 7168, "kvgrad", 132, True, CLAMP),
+        # Narrower rows (the backward's bulk-copy kernel: up to 320 column vectors, D ≤ 2560).
+        (8192, 1280, "fused", 132, True, CLAMP),
+        (8192, 2560, "fused", 132, True, CLAMP),
+        (4001, 2560, "kvgrad", 114, True, CLAMP),
     ],
 }
 GATE_BENCHMARK = GateParams(8192, 4096, "fused", 132, True)

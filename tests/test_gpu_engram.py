@@ -259,6 +259,33 @@ def test_engram_gate_bwd_other_stream_counts(monkeypatch, streams, tokens, hidde
     _assert_within_policy(op, case, call, actual)
 
 
+# The bulk-copy backward (rows staged in shared memory one token ahead) does the register kernel's
+# arithmetic in the same order: where both take one column per thread (D of 257-512 vectors; the
+# launcher sends rows of more than 320 to the register kernel, so both are forced here) every output
+# must be the same bits, whatever the layout, the padding of x and the tokens per block.
+@pytest.mark.parametrize(
+    "tokens,hidden,layout,partials,pad",
+    [(1, 4096, "fused", 132, 0), (37, 2560, "contiguous", 5, 8), (300, 4096, "kvgrad", 132, 0), (4001, 4096, "fused", 114, 8)],
+)
+def test_engram_gate_bwd_bulk_copies_match_the_register_kernel(monkeypatch, tokens, hidden, layout, partials, pad):
+    optimized = _optimized()
+    op = spec.GateBwd()
+    case, call = _gate_case(op, tokens, hidden, layout, num_partials=partials)
+    call = _pad_x(call, 1, pad)
+    results = {}
+    for bulk in (True, False):
+        monkeypatch.setattr(optimized, "GATE_BWD_BULK_MAX_COLUMNS", 512 if bulk else 0)
+        assert optimized.gate_bwd_bulk_threads(N, hidden, 8) == (hidden // 8 if bulk else 0)
+        optimized._GATE_BWD_PLANS.clear()
+        with poison_outputs():
+            results[bulk] = op.split(call(optimized.engram_gate_bwd))
+    optimized._GATE_BWD_PLANS.clear()
+    assert optimized.gate_bwd_schedule(hidden, 8) == (hidden // 8, 1)
+    for output, bulk, register in zip(op.outputs, results[True], results[False], strict=True):
+        _assert_same_bits(bulk, register, f"{case.label}: {output.name}")
+    _assert_within_policy(op, case, call, results[True])
+
+
 # --- grad_w_reduce ------------------------------------------------------------------------------
 
 

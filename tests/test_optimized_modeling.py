@@ -307,3 +307,20 @@ def test_head_rows_scalar_scale_and_no_grad_path_over_the_reference_operators(mo
         leaves = [t.clone().requires_grad_(True) for t in (residual, fn, torch.tensor([0.05, 0.03, 0.04]), base)]
         layer_input, (post, comb) = modeling.mhc_pre(*leaves, **options)
     assert torch.equal(fused[0], layer_input) and torch.equal(fused[1][0], post) and torch.equal(fused[1][1], comb)
+
+
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 1), (1, 3)])
+def test_fused_projection_is_found_with_size_one_dimensions(lead):
+    """k and v as views of one projection ``kv [..., (n+1)·D]`` are recognised whatever the stride
+    PyTorch gives a dimension of size 1 (one token: ``kv[:, :n·D]`` gets token stride n·D); views that
+    are not kv's head and tail, or not its rows, are not."""
+    fused_projection = _optimized()._fused_projection
+    kv = torch.zeros(*lead, (N + 1) * C, dtype=BF16)
+    k, v = kv[..., : N * C].unflatten(-1, (N, C)), kv[..., N * C :]
+    assert fused_projection(k, v, N, C) is kv
+    swapped = kv[..., C:].unflatten(-1, (N, C)), kv[..., :C]
+    assert fused_projection(*swapped, N, C) is None
+    wider = torch.zeros(*lead, (N + 2) * C, dtype=BF16)
+    assert fused_projection(wider[..., : N * C].unflatten(-1, (N, C)), wider[..., N * C : (N + 1) * C], N, C) is None
+    every_other = torch.zeros(*lead, (N + 1) * 2 * C, dtype=BF16)[..., ::2]
+    assert fused_projection(every_other[..., : N * C].unflatten(-1, (N, C)), every_other[..., N * C :], N, C) is None
