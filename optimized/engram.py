@@ -383,8 +383,59 @@ def cta_stream_totals(sums, total, exchange, slot, count: int, steps: int, lane,
         total[0] = total[0] + exchange[(slot * warps + w) * count + lane % count]
 
 
+@T.macro
+def stream_coefficients(
+    lane_statistics,
+    total,
+    lane_results,
+    betas,
+    x_coefficients,
+    k_coefficients,
+    streams: int,
+    hidden,
+    scale,
+    clamp_value,
+):
+    """β and the x and k coefficients of stream ``lane % n`` (from ``lane_statistics`` = its dot,
+    rstd_x, rstd_k, gate and ``total[0]`` = its dg), then every stream's from its lane by shuffle: one
+    chain of IEEE divisions and a square root per lane instead of n per thread."""
+    dot_value = lane_statistics[0]
+    rx = lane_statistics[1]
+    rk = lane_statistics[2]
+    lane_gate = lane_statistics[3]
+    norms = rx * rk * scale  # ∂s/∂dot
+    # β = 0 on the clamped branch; |dot| there may be 0, so the other branch divides by 1 instead (as
+    # the reference's safe_dot).
+    clamped = T.abs(dot_value) * norms < clamp_value
+    safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
+    slope = total[0] * lane_gate * (T.float32(1) - lane_gate) * T.float32(0.5)
+    lane_results[0] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
+    lane_results[1] = T.ieee_fdiv(dot_value * rx * rx, hidden)
+    lane_results[2] = T.ieee_fdiv(dot_value * rk * rk, hidden)
+    for m in T.unroll(streams):
+        betas[m] = T.shfl_sync(lane_results[0], m)
+        x_coefficients[m] = T.shfl_sync(lane_results[1], m)
+        k_coefficients[m] = T.shfl_sync(lane_results[2], m)
+
+
 def _as_float(value):
     return T.cast(value, "float32")
+
+
+@T.macro
+def store_input_gradients(
+    dx, dk, dx_offset, dk_offset, go, x, k, w, betas, x_coefficients, k_coefficients, m, vector: int
+):
+    """Stream ``m``'s vector of ``dx = go + β(w·k − c_x·x)`` and ``dk = β(w·x − c_k·k)`` (fp32, rounded
+    once to bf16); ``go``, ``x``, ``k`` and ``w`` give element ``e`` of the thread's vectors."""
+    for e in T.vectorized(vector):
+        dx[dx_offset + e] = T.cast(
+            _as_float(go(e)) + betas[m] * (w(e) * _as_float(k(e)) - x_coefficients[m] * _as_float(x(e))), "bfloat16"
+        )
+    for e in T.vectorized(vector):
+        dk[dk_offset + e] = T.cast(
+            betas[m] * (w(e) * _as_float(x(e)) - k_coefficients[m] * _as_float(k(e))), "bfloat16"
+        )
 
 
 @T.macro
@@ -865,25 +916,18 @@ def gate_bwd_kernel(
                             sums[m] = sums[m] + _as_float(gos[i, m, e]) * _as_float(vs[i, e])
                 cta_stream_totals(sums, total, shared, token % 2, streams, steps, lane, warp, warps)
 
-                # β and the coefficients of stream lane % n, then every stream's from its lane: one
-                # chain of IEEE divisions and a square root per lane instead of n per thread.
-                dot_value = lane_statistics[0]
-                rx = lane_statistics[1]
-                rk = lane_statistics[2]
-                lane_gate = lane_statistics[3]
-                norms = rx * rk * scale  # ∂s/∂dot
-                # β = 0 on the clamped branch; |dot| there may be 0, so the other branch divides by 1
-                # instead (as the reference's safe_dot).
-                clamped = T.abs(dot_value) * norms < clamp_value
-                safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                slope = total[0] * lane_gate * (T.float32(1) - lane_gate) * T.float32(0.5)
-                lane_results[0] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                lane_results[1] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                lane_results[2] = T.ieee_fdiv(dot_value * rk * rk, hidden)
-                for m in T.unroll(streams):
-                    betas[m] = T.shfl_sync(lane_results[0], m)
-                    x_coefficients[m] = T.shfl_sync(lane_results[1], m)
-                    k_coefficients[m] = T.shfl_sync(lane_results[2], m)
+                stream_coefficients(
+                    lane_statistics,
+                    total,
+                    lane_results,
+                    betas,
+                    x_coefficients,
+                    k_coefficients,
+                    streams,
+                    hidden,
+                    scale,
+                    clamp_value,
+                )
 
                 for i in T.unroll(columns_per_thread):
                     column = i * threads + tx
@@ -897,22 +941,24 @@ def gate_bwd_kernel(
                                 for e in T.vectorized(vector):
                                     ws[e] = w[(m * w_stream_stride + column) * vector + e]
                             dx_offset = (out_row + m * hidden_vectors + column) * vector
-                            for e in T.vectorized(vector):
-                                dx[dx_offset + e] = T.cast(
-                                    _as_float(gos[i, m, e])
-                                    + betas[m]
-                                    * (ws[e] * _as_float(ks[i, m, e]) - x_coefficients[m] * _as_float(xs[i, m, e])),
-                                    "bfloat16",
-                                )
                             # Packed, dk's offset is dx's: no index arithmetic of its own (the kernel
                             # is bound by its instructions per token; the separate offset cost ~4 %).
                             dk_offset = dx_offset if packed_outputs else (dk_row + m * hidden_vectors + column) * vector
-                            for e in T.vectorized(vector):
-                                dk[dk_offset + e] = T.cast(
-                                    betas[m]
-                                    * (ws[e] * _as_float(xs[i, m, e]) - k_coefficients[m] * _as_float(ks[i, m, e])),
-                                    "bfloat16",
-                                )
+                            store_input_gradients(
+                                dx,
+                                dk,
+                                dx_offset,
+                                dk_offset,
+                                lambda e, i=i, m=m: gos[i, m, e],
+                                lambda e, i=i, m=m: xs[i, m, e],
+                                lambda e, i=i, m=m: ks[i, m, e],
+                                lambda e: ws[e],
+                                betas,
+                                x_coefficients,
+                                k_coefficients,
+                                m,
+                                vector,
+                            )
                             # Staged through registers: 16-byte shared accesses (and TileLang
                             # drops the load of a one-element vectorized read-modify-write).
                             for h in T.unroll(pieces):
@@ -1009,21 +1055,47 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
     def bulk_copy(stages, stage_offset, source, source_offset, row_bytes, full, stage):
         # TileLang's own 1D bulk-copy intrinsic (what T.copy lowers a contiguous load to), with a
         # runtime length: T.copy would need the row length at compile time.
-        T.tma_load(stages.access_ptr("w", offset=stage_offset), source.access_ptr("r", offset=source_offset), full[stage], row_bytes, 0)
+        T.tma_load(
+            stages.access_ptr("w", offset=stage_offset),
+            source.access_ptr("r", offset=source_offset),
+            full[stage],
+            row_bytes,
+            0,
+        )
 
     @T.macro
     def issue(stages, full, grad_out, x, k, v, token, stage, row_bytes, token_bytes, strides):
         """Token ``token``'s rows → stage ``stage``, completing on ``full[stage]`` (thread 0 only)."""
-        go_token_stride, go_stream_stride, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride, v_token_stride = strides
+        (
+            go_token_stride,
+            go_stream_stride,
+            x_token_stride,
+            x_stream_stride,
+            k_token_stride,
+            k_stream_stride,
+            v_token_stride,
+        ) = strides
         base = stage * stage_elements
         go_row = T.cast(token, "int64") * go_token_stride
         x_row = T.cast(token, "int64") * x_token_stride
         k_row = T.cast(token, "int64") * k_token_stride
         T.mbarrier_arrive_expect_tx(full[stage], token_bytes)
         for m in T.unroll(streams):
-            bulk_copy(stages, base + go_offset + m * row, grad_out, (go_row + m * go_stream_stride) * vector, row_bytes, full, stage)
-            bulk_copy(stages, base + x_offset + m * row, x, (x_row + m * x_stream_stride) * vector, row_bytes, full, stage)
-            bulk_copy(stages, base + k_offset + m * row, k, (k_row + m * k_stream_stride) * vector, row_bytes, full, stage)
+            bulk_copy(
+                stages,
+                base + go_offset + m * row,
+                grad_out,
+                (go_row + m * go_stream_stride) * vector,
+                row_bytes,
+                full,
+                stage,
+            )
+            bulk_copy(
+                stages, base + x_offset + m * row, x, (x_row + m * x_stream_stride) * vector, row_bytes, full, stage
+            )
+            bulk_copy(
+                stages, base + k_offset + m * row, k, (k_row + m * k_stream_stride) * vector, row_bytes, full, stage
+            )
         bulk_copy(stages, base + v_offset, v, T.cast(token, "int64") * v_token_stride * vector, row_bytes, full, stage)
 
     @T.macro
@@ -1102,7 +1174,15 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
             first = T.min(block * block_tokens, num_tokens)
             last = T.min(first + block_tokens, num_tokens)
 
-            strides = (go_token_stride, go_stream_stride, x_token_stride, x_stream_stride, k_token_stride, k_stream_stride, v_token_stride)
+            strides = (
+                go_token_stride,
+                go_stream_stride,
+                x_token_stride,
+                x_stream_stride,
+                k_token_stride,
+                k_stream_stride,
+                v_token_stride,
+            )
             if tx == 0:
                 if first < last:
                     issue(stages, full, grad_out, x, k, v, first, 0, row_bytes, token_bytes, strides)
@@ -1157,21 +1237,18 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
                         dv[(dv_row + column) * vector + e] = T.cast(dv_values[e], "bfloat16")
                 cta_stream_totals(sums, total, exchange, local % 2, streams, steps, lane, warp, warps)
 
-                dot_value = lane_statistics[0]
-                rx = lane_statistics[1]
-                rk = lane_statistics[2]
-                lane_gate = lane_statistics[3]
-                norms = rx * rk * scale
-                clamped = T.abs(dot_value) * norms < clamp_value
-                safe_dot = T.if_then_else(clamped, T.float32(1), T.abs(dot_value))
-                slope = total[0] * lane_gate * (T.float32(1) - lane_gate) * T.float32(0.5)
-                lane_results[0] = T.if_then_else(clamped, T.float32(0), slope * T.sqrt(T.ieee_fdiv(norms, safe_dot)))
-                lane_results[1] = T.ieee_fdiv(dot_value * rx * rx, hidden)
-                lane_results[2] = T.ieee_fdiv(dot_value * rk * rk, hidden)
-                for m in T.unroll(streams):
-                    betas[m] = T.shfl_sync(lane_results[0], m)
-                    x_coefficients[m] = T.shfl_sync(lane_results[1], m)
-                    k_coefficients[m] = T.shfl_sync(lane_results[2], m)
+                stream_coefficients(
+                    lane_statistics,
+                    total,
+                    lane_results,
+                    betas,
+                    x_coefficients,
+                    k_coefficients,
+                    streams,
+                    hidden,
+                    scale,
+                    clamp_value,
+                )
 
                 if column < hidden_vectors:
                     for m in T.unroll(streams):
@@ -1182,20 +1259,22 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
                         for e in T.vectorized(vector):
                             k_values[e] = stages[base + k_offset + m * row + column * vector + e]
                         dx_offset = (out_row + m * hidden_vectors + column) * vector
-                        for e in T.vectorized(vector):
-                            dx[dx_offset + e] = T.cast(
-                                _as_float(go_values[e])
-                                + betas[m]
-                                * (ws[m, e] * _as_float(k_values[e]) - x_coefficients[m] * _as_float(x_values[e])),
-                                "bfloat16",
-                            )
                         dk_offset = dx_offset if packed_outputs else (dk_row + m * hidden_vectors + column) * vector
-                        for e in T.vectorized(vector):
-                            dk[dk_offset + e] = T.cast(
-                                betas[m]
-                                * (ws[m, e] * _as_float(x_values[e]) - k_coefficients[m] * _as_float(k_values[e])),
-                                "bfloat16",
-                            )
+                        store_input_gradients(
+                            dx,
+                            dk,
+                            dx_offset,
+                            dk_offset,
+                            lambda e: go_values[e],
+                            lambda e: x_values[e],
+                            lambda e: k_values[e],
+                            lambda e, m=m: ws[m, e],
+                            betas,
+                            x_coefficients,
+                            k_coefficients,
+                            m,
+                            vector,
+                        )
                         for e in T.unroll(vector):
                             accumulators[m, e] = accumulators[m, e] + betas[m] * _as_float(x_values[e]) * _as_float(
                                 k_values[e]

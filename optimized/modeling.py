@@ -201,7 +201,9 @@ def _strides_that_matter(tensor: torch.Tensor, dims: int) -> tuple[int, ...]:
     """The strides of the first ``dims`` dimensions, 0 for a dimension of size 1: PyTorch gives such
     a dimension of a view a stride of its own choosing (one token: ``kv[:, :n·D]`` has token stride
     n·D, not kv's (n+1)·D), which addresses nothing."""
-    return tuple(stride if size > 1 else 0 for size, stride in zip(tensor.shape[:dims], tensor.stride()[:dims], strict=True))
+    return tuple(
+        stride if size > 1 else 0 for size, stride in zip(tensor.shape[:dims], tensor.stride()[:dims], strict=True)
+    )
 
 
 def _fused_projection(k: torch.Tensor, v: torch.Tensor, streams: int, hidden: int) -> torch.Tensor | None:

@@ -265,7 +265,12 @@ def test_engram_gate_bwd_other_stream_counts(monkeypatch, streams, tokens, hidde
 # must be the same bits, whatever the layout, the padding of x and the tokens per block.
 @pytest.mark.parametrize(
     "tokens,hidden,layout,partials,pad",
-    [(1, 4096, "fused", 132, 0), (37, 2560, "contiguous", 5, 8), (300, 4096, "kvgrad", 132, 0), (4001, 4096, "fused", 114, 8)],
+    [
+        (1, 4096, "fused", 132, 0),
+        (37, 2560, "contiguous", 5, 8),
+        (300, 4096, "kvgrad", 132, 0),
+        (4001, 4096, "fused", 114, 8),
+    ],
 )
 def test_engram_gate_bwd_bulk_copies_match_the_register_kernel(monkeypatch, tokens, hidden, layout, partials, pad):
     optimized = _optimized()
