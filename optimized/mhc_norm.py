@@ -49,7 +49,17 @@ import torch
 from tileproof.reference.contract import ceil_div, check_nonnegative_float, check_shape, check_tensor
 from tileproof.reference.mhc import check_grad_addend, check_norm_inputs, check_statistics
 
-from .jit import address, compiling_only, device_constant, flat_view, jit, new_output, require_cuda
+from .jit import (
+    LaunchPlans,
+    address,
+    compiling_only,
+    device_constant,
+    flat_view,
+    jit,
+    launched,
+    new_output,
+    require_cuda,
+)
 
 __all__ = ["mhc_pre_norm_fn", "mhc_pre_norm_fn_bwd"]
 
@@ -1093,10 +1103,12 @@ def _fewest_filling_splits(tiles: int, blocks: int, resident: int, min_waves: fl
     return tiles
 
 
-def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps: float, addend, statistics):
-    """``d_residual`` and the per-split dfn partials ``[splits, nC, 2·slots]`` (hi and lo columns
-    apart; returned; None under ``compiling_only``) on tensor cores: five launches (four with saved
-    statistics)."""
+def _tensor_core_gradients_launch(residual, mhc_fn, mhc_norm_weight, grad_output, eps: float, addend, statistics):
+    """The tensor-core backward's launches for arguments of these signatures: ``launch(residual,
+    mhc_fn, mhc_norm_weight, grad_output, d_residual, addend, statistics)`` writes ``d_residual`` and
+    returns the per-split dfn partials ``[splits, nC, 2·slots]`` (hi and lo columns apart; None under
+    ``compiling_only``, which builds the kernels and launches nothing): five launches (four with
+    saved statistics)."""
     tokens, n, hidden = residual.shape
     features = n * hidden
     rows = mhc_fn.shape[0]
@@ -1110,36 +1122,38 @@ def _tensor_core_gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_res
         schedule = dict(GRAD_MMA_ADDEND_SCHEDULE)
     stack_kernel = folded_fn_split_kernel(rows, slots, weighted, True)
     grad_kernel = norm_fn_grad_mma_kernel(slots, rows, **schedule, accumulate=addend is not None)
-    device = residual.device
-    # Scratch: dmul's bf16 splits and 2·dsq, padded to whole token tiles (the tail tile's threads read
-    # it unclamped; the pad's rows of dx are not stored).
-    dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
-    dsq2 = torch.empty(ceil_div(tokens, MMA_TOKENS) * MMA_TOKENS, dtype=F32, device=device)
-    _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, grad_output, dsq2, eps, True, dsplit, statistics)
+    statistics_launch = _statistics_mma_launch(
+        residual, mhc_fn, mhc_norm_weight, grad_output, eps, True, slots, statistics is not None
+    )
     if compiling_only():
-        return None
+        return lambda *tensors: None
     # After the compile-only return: under outputs_only the sizes may be symbolic (torch.compile's
     # dynamic shapes), which the memoized split search cannot hash, and no split is launched.
     splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"])
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
-    stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
-    partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    stack_kernel(
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        stacked,
-        features,
-        *mhc_fn.stride(),
-        mhc_norm_weight.stride(0) if weighted else 0,
-    )
-    x = residual.view(tokens, features)
-    if addend is None:
-        addend_argument = device_constant(BF16, device)
-    else:
-        addend_argument = addend.view(tokens, features) if schedule["addend_stage"] else addend.view(-1)
-    grad_kernel(x, stacked, dsplit, dsq2, d_residual.view(tokens, features), addend_argument, partial, per_split)
-    return partial
+    gamma_stride = mhc_norm_weight.stride(0) if weighted else 0
+    addend_stage = schedule["addend_stage"]
+
+    def launch(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, addend, statistics):
+        device = residual.device
+        # Scratch: dmul's bf16 splits and 2·dsq, padded to whole token tiles (the tail tile's threads
+        # read it unclamped; the pad's rows of dx are not stored).
+        dsplit = torch.empty((tokens, 3 * slots), dtype=BF16, device=device)
+        dsq2 = torch.empty(ceil_div(tokens, MMA_TOKENS) * MMA_TOKENS, dtype=F32, device=device)
+        statistics_launch(residual, mhc_fn, mhc_norm_weight, grad_output, dsq2, dsplit, statistics)
+        stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
+        partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)
+        gamma = mhc_norm_weight if weighted else mhc_fn
+        stack_kernel(flat_view(mhc_fn), flat_view(gamma), stacked, features, *mhc_fn.stride(), gamma_stride)
+        x = residual.view(tokens, features)
+        if addend is None:
+            addend_argument = device_constant(BF16, device)
+        else:
+            addend_argument = addend.view(tokens, features) if addend_stage else addend.view(-1)
+        grad_kernel(x, stacked, dsplit, dsq2, d_residual.view(tokens, features), addend_argument, partial, per_split)
+        return partial
+
+    return launch
 
 
 # The most mixes the tensor-core kernels take: their shared memory grows with m (the forward's three
@@ -1180,45 +1194,54 @@ def _mma_splits(tokens: int, features: int) -> tuple[int, int]:
     return ceil_div(steps, per_split), per_split
 
 
-def _backward_from_statistics(grad, out, statistics, features: int, eps: float, dsplit=None) -> None:
-    """The backward's ``out = [dmul | 2·dsq]`` (and, with ``dsplit``, the tensor-core path's dmul split)
-    from the forward's saved statistics: one launch of the per-token epilogue, no pass over the streams.
-    Its partial arguments are empty, with the token count the kernel binds T from."""
+def _from_statistics_launch(grad, features: int, eps: float, slots: int):
+    """The backward's ``out = [dmul | 2·dsq]`` (and, with ``slots``, the tensor-core path's dmul split)
+    from the forward's saved statistics: ``launch(grad, out, statistics, dsplit)``, one launch of the
+    per-token epilogue, no pass over the streams. Its partial arguments are empty, with the token count
+    the kernel binds T from."""
     tokens, rows = grad.shape
     half = 8 * ceil_div(rows, 8)
-    slots = 0 if dsplit is None else dsplit.shape[1] // 3
     finish_kernel = norm_fn_finish_kernel(
         rows, half, True, slots, from_statistics=True, contiguous_grad=grad.is_contiguous(), **FINISH_SCHEDULE
     )
     if compiling_only():
-        return
-    device = grad.device
-    finish_kernel(
-        torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
-        torch.empty((0, tokens), dtype=F32, device=device),
-        flat_view(grad),
-        out.view(-1),
-        device_constant(BF16, device) if dsplit is None else dsplit.view(-1),
-        statistics.view(-1),
-        features,
-        *grad.stride(),
-        eps,
-    )
+        return lambda *tensors: None
+    grad_strides = grad.stride()
+
+    def launch(grad, out, statistics, dsplit):
+        device = grad.device
+        finish_kernel(
+            torch.empty((0, tokens, 2 * half), dtype=F32, device=device),
+            torch.empty((0, tokens), dtype=F32, device=device),
+            flat_view(grad),
+            out.view(-1),
+            device_constant(BF16, device) if dsplit is None else dsplit.view(-1),
+            statistics.view(-1),
+            features,
+            *grad_strides,
+            eps,
+        )
+
+    return launch
 
 
-def _norm_fn_statistics_mma(
-    residual, mhc_fn, mhc_norm_weight, grad, out, eps: float, backward: bool, dsplit=None, statistics=None
-) -> None:
-    """``out`` of ``norm_fn_kernel`` (forward mixes, or the backward's ``[dmul | 2·dsq]``; with
-    ``dsplit``, dmul's bf16 splits there and ``out`` = 2·dsq alone) by the tensor-core GEMM: three
-    launches (fold and split fn·γ, the GEMM, the per-token epilogue). With
-    ``statistics`` ``[T, m + 1]``: the forward writes them too; the backward reads them instead of
-    running the GEMM (``_backward_from_statistics``, one launch)."""
+def _statistics_mma_launch(
+    residual, mhc_fn, mhc_norm_weight, grad, eps: float, backward: bool, slots: int, with_statistics: bool
+):
+    """The launches for ``out`` of ``norm_fn_kernel`` by the tensor-core GEMM, for arguments of these
+    signatures: ``launch(residual, mhc_fn, mhc_norm_weight, grad, out, dsplit, statistics)`` writes the
+    forward mixes, or the backward's ``[dmul | 2·dsq]`` (with ``slots``, dmul's bf16 splits into
+    ``dsplit`` and 2·dsq alone into ``out``): three launches (fold and split fn·γ, the GEMM, the
+    per-token epilogue). ``with_statistics``: the forward writes the statistics ``[T, m + 1]`` too;
+    the backward reads them instead of running the GEMM (``_from_statistics_launch``, one launch).
+    The forward's ``grad`` is None here and its ``out`` at launch (never read there)."""
     tokens, n, hidden = residual.shape
     features = n * hidden
-    if backward and statistics is not None:
-        _backward_from_statistics(grad, out, statistics, features, eps, dsplit)
-        return
+    if backward and with_statistics:
+        from_statistics = _from_statistics_launch(grad, features, eps, slots)
+        return lambda residual, mhc_fn, mhc_norm_weight, grad, out, dsplit, statistics: from_statistics(
+            grad, out, statistics, dsplit
+        )
     rows = mhc_fn.shape[0]
     half = 8 * ceil_div(rows, 8)  # wgmma's N comes in multiples of 8
     weighted = mhc_norm_weight is not None
@@ -1226,44 +1249,41 @@ def _norm_fn_statistics_mma(
     depth, stages, tile_tokens = MMA_SCHEDULE["depth"], MMA_SCHEDULE["stages"], MMA_SCHEDULE["tokens"]
     split_kernel = folded_fn_split_kernel(rows, half, weighted, False)
     mma_kernel = norm_fn_mma_kernel(2 * half, depth, stages, tile_tokens)
-    slots = 0 if dsplit is None else dsplit.shape[1] // 3
-    saved = statistics is not None  # (the forward's: it writes them)
+    saved = with_statistics  # (the forward's: it writes them)
     contiguous_grad = backward and grad.is_contiguous()
     finish_kernel = norm_fn_finish_kernel(
         rows, half, backward, slots, save_statistics=saved, contiguous_grad=contiguous_grad, **FINISH_SCHEDULE
     )
     if compiling_only():
-        return
-    device = residual.device
+        return lambda *tensors: None
     grad_strides = grad.stride() if backward else (0, 0)
-    split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
-    statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
-    # Scratch, not outputs: every element is written before it is read.
-    partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
-    partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
-    x = residual.view(tokens, features)
-    folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    split_kernel(
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        folded,
-        features,
-        *mhc_fn.stride(),
-        mhc_norm_weight.stride(0) if weighted else 0,
-    )
-    mma_kernel(x, folded, partial, partial_sq, per_split)
-    finish_kernel(
-        partial,
-        partial_sq,
-        flat_view(grad),
-        out.view(-1),
-        split_argument,
-        statistics_argument,
-        features,
-        *grad_strides,
-        eps,
-    )
+    gamma_stride = mhc_norm_weight.stride(0) if weighted else 0
+
+    def launch(residual, mhc_fn, mhc_norm_weight, grad, out, dsplit, statistics):
+        device = residual.device
+        split_argument = out.view(-1).view(torch.bfloat16) if dsplit is None else dsplit.view(-1)
+        statistics_argument = statistics.view(-1) if saved else device_constant(F32, device)
+        # Scratch, not outputs: every element is written before it is read.
+        partial = torch.empty((splits, tokens, 2 * half), dtype=F32, device=device)
+        partial_sq = torch.empty((splits, tokens), dtype=F32, device=device)
+        x = residual.view(tokens, features)
+        folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
+        gamma = mhc_norm_weight if weighted else mhc_fn
+        split_kernel(flat_view(mhc_fn), flat_view(gamma), folded, features, *mhc_fn.stride(), gamma_stride)
+        mma_kernel(x, folded, partial, partial_sq, per_split)
+        finish_kernel(
+            partial,
+            partial_sq,
+            flat_view(grad),
+            out.view(-1),
+            split_argument,
+            statistics_argument,
+            features,
+            *grad_strides,
+            eps,
+        )
+
+    return launch
 
 
 def _vector(residual: torch.Tensor, mhc_fn: torch.Tensor, mhc_norm_weight: torch.Tensor | None) -> int:
@@ -1298,6 +1318,92 @@ def _split_tokens(tokens: int, hidden: int, n: int) -> int:
     return ceil_div(tokens, splits)
 
 
+def _schedules() -> tuple:
+    """The module's schedule dictionaries as they are now: part of every norm-fn plan's key, so that a
+    sweep that replaces an entry between calls gets new plans."""
+    return tuple(
+        tuple(sorted(schedule.items()))
+        for schedule in (
+            MMA_SCHEDULE,
+            GRAD_MMA_SCHEDULE,
+            GRAD_MMA_ADDEND_SCHEDULE,
+            GRAD_MMA_ADDEND_LOADS_SCHEDULE,
+            FINISH_SCHEDULE,
+            GRAD_REDUCE_SCHEDULE,
+        )
+    )
+
+
+def _norm_fn_plan(residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, save_statistics, schedules):
+    """Check an ``mhc_pre_norm_fn`` of these signatures and decide its launch; the plan:
+    ``run(residual, mhc_fn, mhc_norm_weight) -> mixes`` or ``(mixes, statistics)``. ``schedules``
+    (``_schedules()``) is only part of the key."""
+    tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    require_cuda("residual", residual)
+    require_cuda("mhc_fn", mhc_fn)
+    if mhc_norm_weight is not None:
+        require_cuda("mhc_norm_weight", mhc_norm_weight)
+    rows = mhc_fn.shape[0]
+    device = residual.device
+
+    def allocate():
+        out = new_output(torch.empty((tokens, rows), dtype=F32, device=device))
+        statistics = new_output(torch.empty((tokens, rows + 1), dtype=F32, device=device)) if save_statistics else None
+        return out, statistics
+
+    def result(out, statistics):
+        return (out, statistics) if save_statistics else out
+
+    if tokens == 0:
+        return lambda *tensors: result(*allocate())
+    if n * hidden == 0:
+
+        def empty_rows(*tensors):
+            out, statistics = allocate()
+            if save_statistics:
+                statistics.zero_()  # empty sums
+            out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
+            return result(out, statistics)
+
+        return empty_rows
+    if rows == 0 and not save_statistics:
+        return lambda *tensors: allocate()[0]
+    if _tensor_cores(residual, rows):
+        launch = _statistics_mma_launch(residual, mhc_fn, mhc_norm_weight, None, eps, False, 0, save_statistics)
+
+        def run_tensor_cores(residual, mhc_fn, mhc_norm_weight):
+            out, statistics = allocate()
+            launch(residual, mhc_fn, mhc_norm_weight, out, out, None, statistics)
+            return result(out, statistics)
+
+        return run_tensor_cores
+    vector = _vector(residual, mhc_fn, mhc_norm_weight)
+    weighted = mhc_norm_weight is not None
+    kernel = launched(norm_fn_kernel(n, rows, vector, weighted, False, save_statistics=save_statistics))
+    scalars = (tokens, hidden, *_operand_strides(residual, mhc_fn, mhc_norm_weight, vector), 0, 0, eps)
+
+    def run(residual, mhc_fn, mhc_norm_weight):
+        out, statistics = allocate()
+        if kernel is not None:
+            gamma = mhc_norm_weight if weighted else mhc_fn
+            kernel(
+                flat_view(residual),
+                flat_view(mhc_fn),
+                flat_view(gamma),
+                out.view(-1),
+                out.view(-1),
+                statistics.view(-1) if save_statistics else device_constant(F32, device),
+                *scalars,
+            )
+        return result(out, statistics)
+
+    return run
+
+
+_NORM_FN_PLANS = LaunchPlans(_norm_fn_plan)
+
+
 def mhc_pre_norm_fn(
     residual: torch.Tensor,
     mhc_fn: torch.Tensor,
@@ -1311,53 +1417,159 @@ def mhc_pre_norm_fn(
     multiple of 128, fp32 FFMA otherwise; sums in any order within the oracle's bound). With
     ``save_statistics`` (as in the reference) also the fp32 ``[T, m + 1]`` ``[x·(fn⊙γ)ᵀ | Σx²]`` the
     epilogue used, for ``mhc_pre_norm_fn_bwd(..., statistics=)``."""
+    plan = _NORM_FN_PLANS.plan(residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, save_statistics, _schedules())
+    return plan(residual, mhc_fn, mhc_norm_weight)
+
+
+def _norm_fn_bwd_plan(grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, grad_addend, statistics, schedules):
+    """Check an ``mhc_pre_norm_fn_bwd`` of these signatures and decide its launches; the plan:
+    ``run(grad_output, residual, mhc_fn, mhc_norm_weight, grad_addend, statistics) -> (dresidual, dfn,
+    dnorm_weight)``. ``schedules`` (``_schedules()``) is only part of the key."""
     tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
-    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
-    require_cuda("residual", residual)
-    require_cuda("mhc_fn", mhc_fn)
-    if mhc_norm_weight is not None:
-        require_cuda("mhc_norm_weight", mhc_norm_weight)
     rows = mhc_fn.shape[0]
-    device = residual.device
-    out = new_output(torch.empty((tokens, rows), dtype=F32, device=device))
-    statistics = new_output(torch.empty((tokens, rows + 1), dtype=F32, device=device)) if save_statistics else None
-
-    def result():
-        return (out, statistics) if save_statistics else out
-
-    if tokens == 0:
-        return result()
-    if n * hidden == 0:
-        if save_statistics:
-            statistics.zero_()  # empty sums
-        out.fill_(float("nan"))  # rsqrt(0/0 + eps), as the reference's empty mean
-        return result()
-    if rows == 0 and not save_statistics:
-        return out
-    if _tensor_cores(residual, rows):
-        _norm_fn_statistics_mma(residual, mhc_fn, mhc_norm_weight, out, out, eps, False, None, statistics)
-        return result()
-    vector = _vector(residual, mhc_fn, mhc_norm_weight)
+    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
+    check_shape("grad_output", grad_output, (tokens, rows))
+    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
+    check_grad_addend(grad_addend, tokens, n, hidden)
+    check_statistics(statistics, tokens, rows)
+    for name, tensor in (("grad_output", grad_output), ("residual", residual), ("mhc_fn", mhc_fn)):
+        require_cuda(name, tensor)
+    has_statistics = statistics is not None
+    if has_statistics:
+        require_cuda("statistics", statistics)
+        statistics = statistics.contiguous()
     weighted = mhc_norm_weight is not None
-    kernel = norm_fn_kernel(n, rows, vector, weighted, False, save_statistics=save_statistics)
-    if compiling_only():
-        return result()
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    kernel(
-        flat_view(residual),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        out.view(-1),
-        out.view(-1),
-        statistics.view(-1) if save_statistics else device_constant(F32, device),
-        tokens,
-        hidden,
-        *_operand_strides(residual, mhc_fn, mhc_norm_weight, vector),
-        0,
-        0,
-        eps,
-    )
-    return result()
+    if weighted:
+        require_cuda("mhc_norm_weight", mhc_norm_weight)
+    device = residual.device
+    features = n * hidden
+    accumulate = grad_addend is not None
+    if accumulate:
+        require_cuda("grad_addend", grad_addend)
+        grad_addend = grad_addend.contiguous()
+
+    def allocate():
+        d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16 if accumulate else F32, device=device))
+        d_fn = new_output(torch.empty((rows, features), dtype=F32, device=device))
+        d_weight = new_output(torch.empty((features,), dtype=F32, device=device)) if weighted else None
+        return d_residual, d_fn, d_weight
+
+    if features == 0 or rows == 0:
+
+        def no_features(grad_output, residual, mhc_fn, mhc_norm_weight, grad_addend, statistics):
+            d_residual, d_fn, d_weight = allocate()
+            # No rows: dx = 2·dsq·x with dsq = 0 (an empty sum).
+            if accumulate:
+                d_residual.copy_(grad_addend)
+            else:
+                d_residual.zero_()
+            return d_residual, d_fn, d_weight.zero_() if weighted else None
+
+        return no_features
+    if tokens == 0:
+
+        def no_tokens(*tensors):
+            d_residual, d_fn, d_weight = allocate()
+            return d_residual, d_fn.zero_(), d_weight.zero_() if weighted else None
+
+        return no_tokens
+    vector = _vector(residual, mhc_fn, mhc_norm_weight)
+    strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
+    if _tensor_cores(residual, rows):
+        reduce = launched(
+            norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, **GRAD_REDUCE_SCHEDULE)
+        )
+        gradients = _tensor_core_gradients_launch(
+            residual, mhc_fn, mhc_norm_weight, grad_output, eps, grad_addend, statistics
+        )
+
+        def run_tensor_cores(grad_output, residual, mhc_fn, mhc_norm_weight, grad_addend, statistics):
+            if accumulate:
+                grad_addend = grad_addend.contiguous()
+            if has_statistics:
+                statistics = statistics.contiguous()
+            d_residual, d_fn, d_weight = allocate()
+            partial = gradients(residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, grad_addend, statistics)
+            if reduce is not None:
+                gamma = mhc_norm_weight if weighted else mhc_fn
+                reduce(
+                    partial,
+                    flat_view(mhc_fn),
+                    flat_view(gamma),
+                    d_fn.view(-1),
+                    (d_weight if weighted else d_fn).view(-1),
+                    *mhc_fn.stride(),
+                    strides[-1],
+                )
+            return d_residual, d_fn, d_weight
+
+        return run_tensor_cores
+    split_tokens = _split_tokens(tokens, hidden, n)
+    splits = ceil_div(tokens, split_tokens)
+    from_statistics = _from_statistics_launch(grad_output, features, eps, 0) if has_statistics else None
+    stats = None if has_statistics else launched(norm_fn_kernel(n, rows, vector, weighted, True))
+    grad = launched(norm_fn_grad_kernel(n, rows, vector, weighted, accumulate))
+    reduce = launched(norm_fn_reduce_kernel(rows, weighted))
+
+    def run(grad_output, residual, mhc_fn, mhc_norm_weight, grad_addend, statistics):
+        if accumulate:
+            grad_addend = grad_addend.contiguous()
+        if has_statistics:
+            statistics = statistics.contiguous()
+        d_residual, d_fn, d_weight = allocate()
+        if grad is None:
+            return d_residual, d_fn, d_weight
+        gamma = mhc_norm_weight if weighted else mhc_fn
+        # Scratch, not outputs: every element is written before it is read.
+        coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
+        if has_statistics:
+            from_statistics(grad_output, coef, statistics, None)
+        partial = torch.empty((splits, rows, features), dtype=F32, device=device)
+        if not has_statistics:
+            stats(
+                flat_view(residual),
+                flat_view(mhc_fn),
+                flat_view(gamma),
+                flat_view(grad_output),
+                coef.view(-1),
+                device_constant(F32, device),
+                tokens,
+                hidden,
+                *strides,
+                *grad_output.stride(),
+                eps,
+            )
+        grad(
+            flat_view(residual),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            coef.view(-1),
+            d_residual.view(-1),
+            grad_addend.view(-1) if accumulate else device_constant(BF16, device),
+            partial.view(-1),
+            tokens,
+            hidden,
+            split_tokens,
+            splits,
+            *strides,
+        )
+        reduce(
+            partial.view(-1),
+            flat_view(mhc_fn),
+            flat_view(gamma),
+            d_fn.view(-1),
+            (d_weight if weighted else d_fn).view(-1),
+            features,
+            splits,
+            *mhc_fn.stride(),
+            strides[-1],
+        )
+        return d_residual, d_fn, d_weight
+
+    return run
+
+
+_NORM_FN_BWD_PLANS = LaunchPlans(_norm_fn_bwd_plan)
 
 
 def mhc_pre_norm_fn_bwd(
@@ -1376,109 +1588,6 @@ def mhc_pre_norm_fn_bwd(
     returns dresidual as bf16, rounded once (a non-contiguous addend is copied first). With
     ``statistics`` (the forward's ``save_statistics`` output) the pass over the streams that would
     recompute them is skipped; from our forward on the same inputs the results are the same bits."""
-    tokens, n, hidden = check_norm_inputs(residual, mhc_fn, mhc_norm_weight)
-    rows = mhc_fn.shape[0]
-    check_tensor("grad_output", grad_output, dtypes=(F32,), ndim=2)
-    check_shape("grad_output", grad_output, (tokens, rows))
-    eps = check_nonnegative_float("mhc_norm_eps", mhc_norm_eps)
-    check_grad_addend(grad_addend, tokens, n, hidden)
-    check_statistics(statistics, tokens, rows)
-    for name, tensor in (("grad_output", grad_output), ("residual", residual), ("mhc_fn", mhc_fn)):
-        require_cuda(name, tensor)
-    if statistics is not None:
-        require_cuda("statistics", statistics)
-        statistics = statistics.contiguous()
-    weighted = mhc_norm_weight is not None
-    if weighted:
-        require_cuda("mhc_norm_weight", mhc_norm_weight)
-    device = residual.device
-    features = n * hidden
-    accumulate = grad_addend is not None
-    if accumulate:
-        require_cuda("grad_addend", grad_addend)
-        grad_addend = grad_addend.contiguous()
-    d_residual = new_output(torch.empty((tokens, n, hidden), dtype=BF16 if accumulate else F32, device=device))
-    d_fn = new_output(torch.empty((rows, features), dtype=F32, device=device))
-    d_weight = new_output(torch.empty((features,), dtype=F32, device=device)) if weighted else None
-    if features == 0 or rows == 0:
-        # No rows: dx = 2·dsq·x with dsq = 0 (an empty sum).
-        if accumulate:
-            d_residual.copy_(grad_addend)
-        else:
-            d_residual.zero_()
-        return d_residual, d_fn, d_weight.zero_() if weighted else None
-    if tokens == 0:
-        return d_residual, d_fn.zero_(), d_weight.zero_() if weighted else None
-    vector = _vector(residual, mhc_fn, mhc_norm_weight)
-    gamma = mhc_norm_weight if weighted else mhc_fn
-    strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
-    if _tensor_cores(residual, rows):
-        reduce = norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, **GRAD_REDUCE_SCHEDULE)
-        partial = _tensor_core_gradients(
-            residual, mhc_fn, mhc_norm_weight, grad_output, d_residual, eps, grad_addend, statistics
-        )
-        if partial is None:
-            return d_residual, d_fn, d_weight
-        reduce(
-            partial,
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            d_fn.view(-1),
-            (d_weight if weighted else d_fn).view(-1),
-            *mhc_fn.stride(),
-            strides[-1],
-        )
-        return d_residual, d_fn, d_weight
-    # Scratch, not outputs: every element is written before it is read.
-    coef = torch.empty((tokens, rows + 1), dtype=F32, device=device)
-    split_tokens = _split_tokens(tokens, hidden, n)
-    splits = ceil_div(tokens, split_tokens)
-    if statistics is not None:
-        _backward_from_statistics(grad_output, coef, statistics, features, eps)
-    else:
-        stats = norm_fn_kernel(n, rows, vector, weighted, True)
-    grad = norm_fn_grad_kernel(n, rows, vector, weighted, accumulate)
-    reduce = norm_fn_reduce_kernel(rows, weighted)
-    if compiling_only():
-        return d_residual, d_fn, d_weight
-    partial = torch.empty((splits, rows, features), dtype=F32, device=device)
-    if statistics is None:
-        stats(
-            flat_view(residual),
-            flat_view(mhc_fn),
-            flat_view(gamma),
-            flat_view(grad_output),
-            coef.view(-1),
-            device_constant(F32, device),
-            tokens,
-            hidden,
-            *strides,
-            *grad_output.stride(),
-            eps,
-        )
-    grad(
-        flat_view(residual),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        coef.view(-1),
-        d_residual.view(-1),
-        grad_addend.view(-1) if accumulate else device_constant(BF16, device),
-        partial.view(-1),
-        tokens,
-        hidden,
-        split_tokens,
-        splits,
-        *strides,
-    )
-    reduce(
-        partial.view(-1),
-        flat_view(mhc_fn),
-        flat_view(gamma),
-        d_fn.view(-1),
-        (d_weight if weighted else d_fn).view(-1),
-        features,
-        splits,
-        *mhc_fn.stride(),
-        strides[-1],
-    )
-    return d_residual, d_fn, d_weight
+    arguments = (grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_eps, grad_addend, statistics)
+    plan = _NORM_FN_BWD_PLANS.plan(*arguments, _schedules())
+    return plan(grad_output, residual, mhc_fn, mhc_norm_weight, grad_addend, statistics)
