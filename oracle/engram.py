@@ -406,6 +406,10 @@ GATE_SHAPES = {
         (3, 7168, "fused", 2, True, CLAMP),  # the CTA shape of D > 4096
         (19, 768, "kvgrad", 5, True, CLAMP),
         (3, 7168, "kvgrad", 2, True, CLAMP),  # grad_kv's strided outputs in the D > 4096 CTA shape
+        # The backward's bulk-copy CTA shapes of the full profile's D 1280 and 2560 (CI compiles quick).
+        (3, 1280, "fused", 2, True, CLAMP),
+        (5, 2560, "fused", 3, True, CLAMP),
+        (4, 2560, "kvgrad", 2, True, CLAMP),
     ],
     "full": [(t, d, "fused", 132, True, CLAMP) for d in GATE_HIDDENS for t in TOKENS]
     + [
