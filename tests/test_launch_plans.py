@@ -181,3 +181,47 @@ def test_a_swept_schedule_gets_new_plans(monkeypatch):
     monkeypatch.setitem(swiglu.FORWARD_SCHEDULE, torch.bfloat16, committed._replace(threads=512))
     swiglu.swiglu_forward_and_per_token_cast(x, "e4m3", 128)
     assert len(launched_with) == 2 and launched_with[1][-1] == 512 and launched_with[0][-1] == committed.threads
+
+
+def test_norm_fn_plans_follow_their_schedules(monkeypatch):
+    """The norm-fn launchers read their schedule dictionaries at each call (sweeps replace entries):
+    the dictionaries are part of the plans' keys, so a changed entry builds and launches the new
+    kernels, in the forward and the backward."""
+    from tileproof.optimized import mhc_norm
+
+    built = []
+
+    def recorder(name):
+        def factory(*static, **options):
+            built.append((name, static, tuple(sorted(options.items()))))
+            return lambda *arguments: None
+
+        return factory
+
+    stand_ins = ("folded_fn_split_kernel", "norm_fn_mma_kernel", "norm_fn_finish_kernel", "norm_fn_grad_mma_kernel")
+    for name in (*stand_ins, "norm_fn_reduce_columns_kernel"):
+        monkeypatch.setattr(mhc_norm, name, recorder(name))
+    monkeypatch.setattr(mhc_norm, "require_cuda", lambda name, tensor: None)
+    for plans in (mhc_norm._NORM_FN_PLANS, mhc_norm._NORM_FN_BWD_PLANS):
+        monkeypatch.setattr(plans, "_plans", {})  # CPU plans with stand-in kernels: this test's only
+    residual = torch.randn(64, 4, 32).to(torch.bfloat16)  # nC = 128: the tensor-core path
+    fn = torch.randn(24, 128)
+    grad = torch.randn(64, 24)
+
+    def mma_stages():
+        return [static[2] for name, static, _ in built if name == "norm_fn_mma_kernel"]
+
+    def grad_stages():
+        return [dict(options)["stages"] for name, _, options in built if name == "norm_fn_grad_mma_kernel"]
+
+    for _ in range(2):
+        mhc_norm.mhc_pre_norm_fn(residual, fn, None, 1e-6)
+        mhc_norm.mhc_pre_norm_fn_bwd(grad, residual, fn, None, 1e-6)
+    assert mma_stages() == [mhc_norm.MMA_SCHEDULE["stages"]] * 2  # one plan each: the forward's, the backward's
+    assert grad_stages() == [mhc_norm.GRAD_MMA_SCHEDULE["stages"]]
+    monkeypatch.setitem(mhc_norm.MMA_SCHEDULE, "stages", mhc_norm.MMA_SCHEDULE["stages"] + 1)
+    monkeypatch.setitem(mhc_norm.GRAD_MMA_SCHEDULE, "stages", mhc_norm.GRAD_MMA_SCHEDULE["stages"] + 1)
+    mhc_norm.mhc_pre_norm_fn(residual, fn, None, 1e-6)
+    mhc_norm.mhc_pre_norm_fn_bwd(grad, residual, fn, None, 1e-6)
+    assert mma_stages()[2:] == [mhc_norm.MMA_SCHEDULE["stages"]] * 2
+    assert grad_stages()[1:] == [mhc_norm.GRAD_MMA_SCHEDULE["stages"]]
