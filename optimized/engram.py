@@ -1008,10 +1008,11 @@ def gate_bwd_bulk_threads(streams: int, hidden: int, vector: int) -> int:
 
 def gate_bwd_bulk_shared_bytes(streams: int, threads: int) -> int:
     """Shared memory of ``gate_bwd_bulk_kernel``: two stages of one token's rows (grad_out, x, k:
-    ``n`` rows each, and v) of ``threads · 8`` bf16, the dg exchange slots and two mbarriers."""
+    ``n`` rows each, and v) of ``threads · 8`` bf16, the dg exchange slots and four 8-byte mbarriers
+    (each stage's ``full`` and ``released``)."""
     stage_elements = (3 * streams + 1) * threads * BULK_VECTOR
     exchange_floats = 8 * ceil_div(2 * (threads // 32) * streams, 8)
-    return 2 * 2 * stage_elements + 4 * exchange_floats + 16
+    return 2 * 2 * stage_elements + 4 * exchange_floats + 4 * 8
 
 
 # Barriers by hand: TileLang's planner sees the bulk copies write the stages and would put two more
