@@ -384,6 +384,18 @@ def cta_stream_totals(sums, total, exchange, slot, count: int, steps: int, lane,
 
 
 @T.macro
+def load_token_statistics(dot, gate, rstd_x, rstd_k, token, lane, streams: int, gates, lane_statistics):
+    """Token ``token``'s gates (every stream) into ``gates`` and the statistics of stream
+    ``lane % n`` (dot, rstd_x, rstd_k, gate) into ``lane_statistics``."""
+    for m in T.unroll(streams):
+        gates[m] = gate[token * streams + m]
+    lane_statistics[0] = dot[token * streams + lane % streams]
+    lane_statistics[1] = rstd_x[token * streams + lane % streams]
+    lane_statistics[2] = rstd_k[token * streams + lane % streams]
+    lane_statistics[3] = gate[token * streams + lane % streams]
+
+
+@T.macro
 def stream_coefficients(
     lane_statistics,
     total,
@@ -887,12 +899,7 @@ def gate_bwd_kernel(
                                 ks[i, m, e] = k[(k_row + m * k_stream_stride + column) * vector + e]
                 # The token's statistics with its gates, at its start: loaded after the dg barrier,
                 # their latency would sit on every token's critical path.
-                for m in T.unroll(streams):
-                    gates[m] = gate[token * streams + m]
-                lane_statistics[0] = dot[token * streams + lane % streams]
-                lane_statistics[1] = rstd_x[token * streams + lane % streams]
-                lane_statistics[2] = rstd_k[token * streams + lane % streams]
-                lane_statistics[3] = gate[token * streams + lane % streams]
+                load_token_statistics(dot, gate, rstd_x, rstd_k, token, lane, streams, gates, lane_statistics)
 
                 # dv needs no reduction: store it while the dg partials travel.
                 out_row = T.cast(token, "int64") * streams * hidden_vectors
@@ -1099,16 +1106,6 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
             )
         bulk_copy(stages, base + v_offset, v, T.cast(token, "int64") * v_token_stride * vector, row_bytes, full, stage)
 
-    @T.macro
-    def load_statistics(dot, gate, rstd_x, rstd_k, token, lane, gates_into, lane_into):
-        """Token ``token``'s gates (every stream) and the statistics of stream ``lane % n``."""
-        for m in T.unroll(streams):
-            gates_into[m] = gate[token * streams + m]
-        lane_into[0] = dot[token * streams + lane % streams]
-        lane_into[1] = rstd_x[token * streams + lane % streams]
-        lane_into[2] = rstd_k[token * streams + lane % streams]
-        lane_into[3] = gate[token * streams + lane % streams]
-
     @T.prim_func
     def kernel(
         grad_out: T.Tensor((go_span,), "bfloat16"),
@@ -1198,7 +1195,7 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
                     for e in T.vectorized(vector):
                         ws[m, e] = w[(m * w_stream_stride + column) * vector + e]
             if first < last:
-                load_statistics(dot, gate, rstd_x, rstd_k, first, lane, next_gates, next_lane_statistics)
+                load_token_statistics(dot, gate, rstd_x, rstd_k, first, lane, streams, next_gates, next_lane_statistics)
 
             for token in T.serial(first, last):
                 local = token - first
@@ -1210,7 +1207,9 @@ def gate_bwd_bulk_kernel(streams: int, threads: int, packed_outputs: bool = True
                     lane_statistics[s] = next_lane_statistics[s]
                 # The statistics come from global memory: the next token's are loaded a token ahead.
                 if token + 1 < last:
-                    load_statistics(dot, gate, rstd_x, rstd_k, token + 1, lane, next_gates, next_lane_statistics)
+                    load_token_statistics(
+                        dot, gate, rstd_x, rstd_k, token + 1, lane, streams, next_gates, next_lane_statistics
+                    )
                 T.mbarrier_wait_parity(full[stage], (local // 2) % 2)
                 if tx == 0 and local >= 1 and token + 1 < last:
                     # The previous token's stage, as soon as every thread has read it: a token of lead.
