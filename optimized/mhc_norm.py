@@ -1131,6 +1131,7 @@ def _tensor_core_gradients_launch(residual, mhc_fn, mhc_norm_weight, grad_output
     # dynamic shapes), which the memoized split search cannot hash, and no split is launched.
     splits, per_split = _grad_mma_splits(tokens, features, schedule["min_blocks"])
     padded = ceil_div(features, GRAD_MMA_FEATURES) * GRAD_MMA_FEATURES  # block_features divides it
+    fn_strides = mhc_fn.stride()
     gamma_stride = mhc_norm_weight.stride(0) if weighted else 0
     addend_stage = schedule["addend_stage"]
 
@@ -1144,7 +1145,7 @@ def _tensor_core_gradients_launch(residual, mhc_fn, mhc_norm_weight, grad_output
         stacked = torch.empty((3 * slots, padded), dtype=BF16, device=device)
         partial = torch.empty((splits, features, 2 * slots), dtype=F32, device=device)
         gamma = mhc_norm_weight if weighted else mhc_fn
-        stack_kernel(flat_view(mhc_fn), flat_view(gamma), stacked, features, *mhc_fn.stride(), gamma_stride)
+        stack_kernel(flat_view(mhc_fn), flat_view(gamma), stacked, features, *fn_strides, gamma_stride)
         x = residual.view(tokens, features)
         if addend is None:
             addend_argument = device_constant(BF16, device)
@@ -1258,6 +1259,7 @@ def _statistics_mma_launch(
         return lambda *tensors: None
     grad_strides = grad.stride() if backward else (0, 0)
     gamma_stride = mhc_norm_weight.stride(0) if weighted else 0
+    fn_strides = mhc_fn.stride()
 
     def launch(residual, mhc_fn, mhc_norm_weight, grad, out, dsplit, statistics):
         device = residual.device
@@ -1269,7 +1271,7 @@ def _statistics_mma_launch(
         x = residual.view(tokens, features)
         folded = torch.empty((ceil_div(features, MMA_DEPTH) * MMA_DEPTH, 2 * half), dtype=BF16, device=device)
         gamma = mhc_norm_weight if weighted else mhc_fn
-        split_kernel(flat_view(mhc_fn), flat_view(gamma), folded, features, *mhc_fn.stride(), gamma_stride)
+        split_kernel(flat_view(mhc_fn), flat_view(gamma), folded, features, *fn_strides, gamma_stride)
         mma_kernel(x, folded, partial, partial_sq, per_split)
         finish_kernel(
             partial,
@@ -1472,6 +1474,7 @@ def _norm_fn_bwd_plan(grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_e
         return no_tokens
     vector = _vector(residual, mhc_fn, mhc_norm_weight)
     strides = _operand_strides(residual, mhc_fn, mhc_norm_weight, vector)
+    fn_strides, grad_strides = mhc_fn.stride(), grad_output.stride()
     if _tensor_cores(residual, rows):
         reduce = launched(
             norm_fn_reduce_columns_kernel(rows, 16 * ceil_div(rows, 16), weighted, **GRAD_REDUCE_SCHEDULE)
@@ -1495,7 +1498,7 @@ def _norm_fn_bwd_plan(grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_e
                     flat_view(gamma),
                     d_fn.view(-1),
                     (d_weight if weighted else d_fn).view(-1),
-                    *mhc_fn.stride(),
+                    *fn_strides,
                     strides[-1],
                 )
             return d_residual, d_fn, d_weight
@@ -1533,7 +1536,7 @@ def _norm_fn_bwd_plan(grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_e
                 tokens,
                 hidden,
                 *strides,
-                *grad_output.stride(),
+                *grad_strides,
                 eps,
             )
         grad(
@@ -1558,7 +1561,7 @@ def _norm_fn_bwd_plan(grad_output, residual, mhc_fn, mhc_norm_weight, mhc_norm_e
             (d_weight if weighted else d_fn).view(-1),
             features,
             splits,
-            *mhc_fn.stride(),
+            *fn_strides,
             strides[-1],
         )
         return d_residual, d_fn, d_weight
