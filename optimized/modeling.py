@@ -53,6 +53,7 @@ from tileproof.reference.modeling import (
 )
 
 from . import engram, mhc
+from .engram import _leading_strides
 from .jit import require_cuda
 
 __all__ = list(reference_modeling.__all__)  # the same public names as the reference twin
@@ -197,15 +198,6 @@ class _EngramGateFunction(torch.autograd.Function):
         )
 
 
-def _strides_that_matter(tensor: torch.Tensor, dims: int) -> tuple[int, ...]:
-    """The strides of the first ``dims`` dimensions, 0 for a dimension of size 1: PyTorch gives such
-    a dimension of a view a stride of its own choosing (one token: ``kv[:, :n·D]`` has token stride
-    n·D, not kv's (n+1)·D), which addresses nothing."""
-    return tuple(
-        stride if size > 1 else 0 for size, stride in zip(tensor.shape[:dims], tensor.stride()[:dims], strict=True)
-    )
-
-
 def _fused_projection(k: torch.Tensor, v: torch.Tensor, streams: int, hidden: int) -> torch.Tensor | None:
     """The tensor ``kv [..., (n+1)·D]`` when k and v are exactly its views ``kv[..., :n·D]`` (as ``[...,
     n, D]``) and ``kv[..., n·D:]`` with unit stride along D, else None. The layer then takes kv
@@ -224,11 +216,14 @@ def _fused_projection(k: torch.Tensor, v: torch.Tensor, streams: int, hidden: in
     lead = tuple(k.shape[:-2])
     if tuple(base.shape) != (*lead, (streams + 1) * hidden) or base.stride(-1) != 1:
         return None
-    rows = len(lead)
-    same_rows = _strides_that_matter(k, rows) == _strides_that_matter(base, rows) == _strides_that_matter(v, rows)
-    k_is_head = k.storage_offset() == base.storage_offset() and _strides_that_matter(k, k.dim())[-2:] == (
-        hidden if streams > 1 else 0,
-        1 if hidden > 1 else 0,
+    # Strides of size-1 dimensions count as 0: PyTorch gives such a dimension of a view a stride of its
+    # own choosing (one token: kv[:, :n·D] has token stride n·D, not kv's (n+1)·D).
+    k_strides, rows = _leading_strides(k), len(lead)
+    same_rows = k_strides[:rows] == _leading_strides(base) == _leading_strides(v)
+    k_is_head = (
+        k.storage_offset() == base.storage_offset()
+        and k_strides[rows] == (hidden if streams > 1 else 0)
+        and (k.stride(-1) == 1 or hidden == 1)
     )
     v_is_tail = v.storage_offset() == base.storage_offset() + streams * hidden and v.stride(-1) == 1
     if not (same_rows and k_is_head and v_is_tail):
